@@ -1,0 +1,937 @@
+"""mt-grpo: multi-turn GRPO with turn-level credit assignment (MT-GRPO), in one file.
+
+MT-GRPO (Zeng et al. 2025, arXiv 2505.11821) trains a tool-using agent with GRPO, but gives the
+tokens written *before the first tool result* their own turn-level advantage:
+
+    A(token) = A_outcome + lambda * A_turn    for tokens before the first tool result
+    A(token) = A_outcome                      after it                      (paper Eq. 5)
+
+so the query that found the answer is credited for finding it, not only for the final answer.
+
+One training step, as `main()` runs it: rollout -> reward -> advantage -> update -> log -> save.
+- rollout: every episode talks to the sampler turn by turn; the tokens we train are exactly the
+  token ids the sampler returned, never decoded and re-encoded (DESIGN I1-I3). A sample grows
+  while each new prompt extends it and forks when the chat template rewrites history (I4).
+- reward: turn-level and outcome-level reward functions, loaded by path from the recipe.
+- advantage: group-normalised per reward level, split per token at the first tool result.
+- update: token-level PPO-clip, optional KL to a frozen reference, gradient accumulation.
+
+Run:
+    bash run.sh                                              # embedded CPU default (toy task)
+    bash run.sh hf_recipes/toy/toy-kv--mt-grpo.yaml seed=2   # any recipe, with key=value overrides
+    bash run.sh test                                         # the test suite
+    python mt_grpo_trainer.py --help                         # every recipe key, documented
+
+Left out on purpose (and why):
+- value networks and GAE: GRPO's group baseline is the point of the method;
+- sequence packing: micro-batches are padded, which keeps the loss code obvious;
+- `model.generate` in the local sampler: its custom logits processors run before the temperature
+  and top-p warpers, so it cannot report the sampling distribution's logprobs without keeping
+  every step's full-vocabulary scores. A 30-line decode loop with a KV cache is exact and bounded.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+
+# ======================================================================================
+# Config
+# ======================================================================================
+
+XML_SYSTEM_PROMPT = (
+    "Think inside <reasoning>...</reasoning>. Then either call a tool as "
+    '<tool>{"name": NAME, "args": {...}}</tool> or give the final answer as <answer>...</answer>.\n'
+    "Tools:\n{tools}")
+
+
+@dataclass
+class Config:
+    # --- model and data
+    model_name_or_path: str = ".cache/toy-kv-model"
+    """HF hub id or local folder holding the policy model and its tokenizer."""
+    model_builder: str = ""
+    """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
+    dataset: str = "tasks/toy_kv.py:make_dataset"
+    """Prompts: a .jsonl file, or `file.py:function` returning a list of dicts; each row needs `prompt`."""
+    system_prompt: str = XML_SYSTEM_PROMPT
+    """System prompt; `{tools}` is replaced by one line per tool (name, signature, docstring)."""
+    tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
+    """Tool functions as `file.py:function`; the model calls each by its function name."""
+    turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
+    """Turn-level reward functions (`file.py:function`), scored on the turns before the first tool result."""
+    turn_reward_weights: list[float] = field(default_factory=list)
+    """Weights of `turn_reward_funcs` (empty = all 1.0)."""
+    outcome_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:exact_answer_reward"])
+    """Outcome-level reward functions (`file.py:function`), scored on the whole episode."""
+    outcome_reward_weights: list[float] = field(default_factory=list)
+    """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
+    # --- rollout
+    prompts_per_step: int = 8
+    """Distinct prompts per step (P); each is rolled out `num_generations` times."""
+    num_generations: int = 8
+    """Episodes per prompt (G): the group that GRPO normalises rewards within."""
+    max_env_steps: int = 2
+    """Most tool calls per episode; a call beyond it ends the episode unexecuted."""
+    max_tokens: int = 64
+    """Most new tokens the model may sample in one assistant turn."""
+    max_seq_len: int = 512
+    """Context budget: prompt plus sampled tokens of one sample never exceed it."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    # --- advantages
+    advantage_mode: str = "mt_grpo"
+    """mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
+    turn_advantage_coef: float = 1.0
+    """lambda: weight of the turn advantage on tokens before the first tool result."""
+    scale_rewards: bool = True
+    """Divide group-centred rewards by the group std (False = centre only, as in Dr. GRPO)."""
+    # --- loss
+    epsilon: float = 0.2
+    """PPO clip range below 1: ratios under 1 - epsilon are clipped."""
+    epsilon_high: float = 0.2
+    """PPO clip range above 1: ratios over 1 + epsilon_high are clipped (DAPO's clip-higher)."""
+    beta: float = 0.0
+    """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
+    loss_aggregation: str = "token_mean"
+    """token_mean: mean over every trained token in the batch | sequence_mean: mean of per-sample means."""
+    num_iterations: int = 1
+    """Optimizer updates per rollout batch; above 1, old logprobs are recomputed before the first."""
+    is_ratio_cap: float = 2.0
+    """Cap of the trainer/sampler importance weight exp(old - sampler) per token (0 = no correction)."""
+    # --- optimisation
+    learning_rate: float = 1e-6
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    lr_scheduler: str = "constant"
+    """constant | linear | cosine, after warmup."""
+    warmup_steps: int = 0
+    """Optimizer updates of linear learning-rate warmup."""
+    max_steps: int = 100
+    """Training steps (one rollout batch each)."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward pass; gradients accumulate over the batch."""
+    mixed_precision: str = "auto"
+    """auto (bf16 autocast where the device supports it) | bf16 | no."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    # --- logging and checkpoints
+    output_dir: str = ""
+    """Run folder (empty = runs/<recipe name>)."""
+    report_to: str = "none"
+    """none | wandb (set WANDB_MODE=offline to log without network)."""
+    wandb_project: str = "mt-grpo"
+    """wandb project name."""
+    log_episodes_steps: int = 10
+    """Dump the step's episodes, with the exact tensors trained, to episodes.jsonl every N steps (0 = off)."""
+    save_steps: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    resume_from_checkpoint: str = ""
+    """'' (fresh run) | auto (latest checkpoint in output_dir, if any) | PATH to a checkpoint folder."""
+
+
+CHOICES = {"advantage_mode": ("mt_grpo", "grpo_outcome", "grpo_merged"),
+           "loss_aggregation": ("token_mean", "sequence_mean"),
+           "lr_scheduler": ("constant", "linear", "cosine"),
+           "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb")}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> the docstring written under it (read from this file's source)."""
+    tree = ast.parse(inspect.getsource(Config))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _coerce(name: str, value, typ):
+    """Check `value` against the field type; numbers written as strings (YAML's 1e-6) are accepted."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{name}' must be a list, got {type(value).__name__}: {value!r}")
+        return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config key '{name}' must be {getattr(typ, '__name__', typ)}, "
+                      f"got {type(value).__name__}: {value!r}")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail."""
+    raw = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"recipe not found: {path}")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' must look like key=value")
+        k, v = ov.split("=", 1)
+        raw[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+    hints = typing.get_type_hints(Config)
+    values = {}
+    for k, v in raw.items():
+        if k not in hints:
+            close = difflib.get_close_matches(k, hints, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
+            raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
+        values[k] = _coerce(k, v, hints[k])
+        if k in CHOICES and values[k] not in CHOICES[k]:
+            raise ConfigError(f"config key '{k}' must be one of {', '.join(CHOICES[k])}, got {v!r}")
+    cfg = Config(**values)
+    for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
+        w = getattr(cfg, weights)
+        if w and len(w) != len(getattr(cfg, funcs)):
+            raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
+    if cfg.num_generations < 2:
+        raise ConfigError("num_generations must be >= 2: GRPO normalises rewards within a group")
+    if not cfg.output_dir:
+        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
+    return cfg
+
+
+# ======================================================================================
+# Utilities
+# ======================================================================================
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_object(spec: str, what: str = "object"):
+    """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
+    if ":" not in spec:
+        raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
+    path, name = spec.rsplit(":", 1)
+    for base in ("", os.path.dirname(os.path.abspath(__file__))):
+        full = os.path.join(base, path)
+        if os.path.isfile(full):
+            break
+    else:
+        raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
+    mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
+    module = sys.modules.get(mod_name)
+    if module is None:
+        spec_ = importlib.util.spec_from_file_location(mod_name, full)
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[mod_name] = module
+        spec_.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise ConfigError(f"{what} '{name}' not found in {path}")
+    return getattr(module, name)
+
+
+def load_rows(spec: str) -> list[dict]:
+    if spec.endswith(".jsonl"):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"dataset file not found: {spec}")
+        with open(spec) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        rows = list(load_object(spec, "dataset function")())
+    if not rows or any("prompt" not in r for r in rows):
+        raise ConfigError(f"dataset '{spec}' is empty or has rows without a 'prompt' column")
+    return rows
+
+
+def autocast(cfg: Config, device: torch.device):
+    use = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"
+                                             and torch.cuda.is_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
+
+
+# ======================================================================================
+# Samplers: token ids in, sampled token ids + logprobs + finish reason out
+# ======================================================================================
+
+@dataclass
+class Completion:
+    ids: list[int]            # sampled token ids, verbatim (EOS / stop-completing token included)
+    logprobs: list[float]     # log-probability of each sampled id under the sampling distribution
+    finish_reason: str        # "stop" (EOS or a stop string) | "length" (max_tokens reached)
+
+
+class LocalSampler:
+    """In-process sampler on the policy model itself: always on-policy, no weight sync needed.
+
+    A plain decode loop with a KV cache. Logprobs are log-softmax of (logits / temperature), after
+    top-p filtering when top_p < 1: exactly the distribution each token was drawn from.
+    """
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tok = model, tokenizer
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos_ids = set(eos) | {tokenizer.eos_token_id}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 1.0,
+                 top_p: float = 1.0, stop: tuple[str, ...] = (), generator: torch.Generator | None = None):
+        model, dev = self.model, next(self.model.parameters()).device
+        was_training = model.training
+        model.eval()
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts], device=dev)
+        attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = [Completion([], [], "length") for _ in range(B)]
+        done = [m < 1 for m in max_tokens]
+        window = max((len(s) for s in stop), default=0) + 2   # tail of tokens that can hold a stop string
+        cache, step_ids = None, ids
+        for _ in range(max(max_tokens)):
+            res = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            cache, logits = res.past_key_values, res.logits[:, -1].float()
+            if temperature > 0:
+                logp = torch.log_softmax(logits / temperature, -1)
+                if top_p < 1.0:
+                    logp = top_p_filter(logp, top_p)
+                nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+            else:
+                logp, nxt = torch.log_softmax(logits, -1), logits.argmax(-1)
+            tok_lp = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
+            nxt_l = nxt.tolist()
+            for b in range(B):
+                if done[b]:
+                    continue
+                c = out[b]
+                c.ids.append(nxt_l[b])
+                c.logprobs.append(tok_lp[b])
+                if nxt_l[b] in self.eos_ids or (stop and any(s in self.tok.decode(c.ids[-window:]) for s in stop)):
+                    c.finish_reason, done[b] = "stop", True
+                elif len(c.ids) >= max_tokens[b]:
+                    done[b] = True
+            if all(done):
+                break
+            step_ids = nxt[:, None]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], -1)
+            pos = pos[:, -1:] + 1
+        model.train(was_training)
+        return out
+
+
+def top_p_filter(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches top_p (always the top one); renormalise."""
+    sorted_lp, idx = logp.sort(-1, descending=True)
+    mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
+    drop = (mass_before >= top_p).scatter(-1, idx, mass_before >= top_p)
+    return torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
+
+
+# ======================================================================================
+# MultiTurnToolEnv: rollouts, tool calls, token buffers and completion masks
+# ======================================================================================
+
+@dataclass
+class Turn:
+    prompt_len: int           # tokens the sampler saw before this turn
+    ids: list[int]            # sampled ids, verbatim
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class Sample:
+    """One training sequence. All per-token lists have the same length (I2)."""
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)        # 1 = sampled by the policy (I1, I3)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
+    advantages: list[float] = field(default_factory=list)
+
+    def append(self, ids, mask: int, logprobs=None, turn: int = -1):
+        self.input_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.turn_idx += [turn] * len(ids)
+
+
+@dataclass
+class Episode:
+    row: dict
+    messages: list[dict]                                    # prompt messages, then the conversation
+    n_prompt_messages: int
+    turns: list[Turn] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    done: bool = False
+    end_reason: str = ""                                    # answer | no_action | max_env_steps | truncated | context
+    tool_calls: int = 0
+    tool_errors: int = 0
+    first_result_turn: int | None = None                    # first assistant turn after a tool result
+    forks: int = 0
+    rewards: dict[str, float] = field(default_factory=dict)
+    turn_reward: float = 0.0
+    outcome_reward: float = 0.0
+    adv_before: float = 0.0
+    adv_after: float = 0.0
+
+    @property
+    def completion(self) -> list[dict]:
+        return self.messages[self.n_prompt_messages:]
+
+
+TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)
+ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.S)
+
+
+def describe_tool(fn) -> str:
+    doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+    return f"- {fn.__name__}{inspect.signature(fn)}: {doc}"
+
+
+class MultiTurnToolEnv:
+    """The paper's XML protocol: <reasoning>, then <tool>{json}</tool> or <answer>; results come back
+    as a user message <result>...</result>.
+
+    Token buffers (I1-I4): an episode's current sample holds exactly what the sampler saw plus
+    what it sampled. Each next prompt is the chat template's rendering of the conversation. If that
+    text starts with the text the sample holds, only the new suffix is tokenized and appended with
+    mask 0, so sampled ids stay verbatim even where the tokenizer would encode their text
+    differently. If not (the template rewrote history), the sample is closed and a new one starts
+    from exactly the tokens the sampler is given next.
+    """
+
+    STOP = ("</tool>", "</answer>")
+
+    def __init__(self, tokenizer, tools, cfg: Config):
+        self.tok, self.cfg = tokenizer, cfg
+        self.tools = {fn.__name__: fn for fn in tools}
+        self.system_prompt = cfg.system_prompt.replace("{tools}", "\n".join(describe_tool(f) for f in tools))
+
+    def new_episode(self, row: dict) -> Episode:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        prompt = row["prompt"]
+        msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
+
+    def render(self, messages) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def next_prompt(self, ep: Episode) -> list[int]:
+        """Extend the episode's sample with the environment's tokens, or fork a new one (I4)."""
+        text = self.render(ep.messages)
+        if ep.samples:
+            s = ep.samples[-1]
+            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if text.startswith(held):
+                s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
+                return list(s.input_ids)
+            ep.forks += 1
+        s = Sample()
+        s.append(self.tok.encode(text, add_special_tokens=False), mask=0)
+        ep.samples.append(s)
+        return list(s.input_ids)
+
+    def call_tool(self, ep: Episode, payload: str) -> str:
+        """Run one tool call; every failure becomes an error message the model sees (I6)."""
+        ep.tool_calls += 1
+        try:
+            call = json.loads(payload)
+            if not isinstance(call, dict) or "name" not in call:
+                raise ValueError('expected {"name": ..., "args": {...}}')
+            if call["name"] not in self.tools:
+                raise ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
+            args = call.get("args", {})
+            if not isinstance(args, dict):
+                raise ValueError("'args' must be a JSON object")
+            return str(self.tools[call["name"]](**args))
+        except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
+            ep.tool_errors += 1
+            return f"Error: {type(e).__name__}: {e}"
+
+    def step(self, ep: Episode, c: Completion):
+        """Record one sampled turn, then decide: answer, tool call, or end."""
+        t = len(ep.turns)
+        ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
+        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
+        text = self.tok.decode(c.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if self.tok.eos_token and text.endswith(self.tok.eos_token):
+            text = text[: -len(self.tok.eos_token)]
+        ep.messages.append({"role": "assistant", "content": text})
+        tool = TOOL_RE.search(text)
+        if c.finish_reason == "length":
+            ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
+        elif ANSWER_RE.search(text):
+            ep.done, ep.end_reason = True, "answer"
+        elif tool is None:
+            ep.done, ep.end_reason = True, "no_action"
+        elif ep.tool_calls >= self.cfg.max_env_steps:
+            ep.done, ep.end_reason = True, "max_env_steps"
+        else:
+            result = self.call_tool(ep, tool.group(1))
+            ep.messages.append({"role": "user", "content": f"<result>\n{result}\n</result>"})
+            if ep.first_result_turn is None:
+                ep.first_result_turn = t + 1
+
+    def rollout(self, rows: list[dict], sampler, generator=None) -> list[Episode]:
+        """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
+        eps = [self.new_episode(r) for r in rows]
+        active = eps
+        while active:
+            prompts, budgets = [], []
+            for ep in active:
+                prompts.append(self.next_prompt(ep))
+                budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
+            for ep, b in zip(active, budgets):
+                if b < 1:
+                    ep.done, ep.end_reason = True, "context"
+            live = [i for i, b in enumerate(budgets) if b >= 1]
+            if live:
+                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live],
+                                        self.cfg.temperature, self.cfg.top_p, self.STOP, generator)
+                for i, c in zip(live, outs):
+                    self.step(active[i], c)
+            active = [ep for ep in active if not ep.done]
+        for ep in eps:
+            for s in ep.samples:
+                n = len(s.input_ids)
+                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n, "I2: sample lists out of step"
+        return eps
+
+
+# ======================================================================================
+# Rewards
+# ======================================================================================
+
+def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
+    completions = [ep.completion for ep in episodes]
+    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row if k != "prompt"}
+    total = [0.0] * len(episodes)
+    for fn, w in zip(funcs, weights):
+        name = getattr(fn, "__name__", str(fn))
+        vals = fn(completions, prompts=[ep.row["prompt"] for ep in episodes], **columns)
+        if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
+            raise ValueError(f"reward function '{name}' must return a list of {len(episodes)} floats, got {vals!r:.200}")
+        for i, (ep, v) in enumerate(zip(episodes, vals)):
+            v = float(v)
+            if not math.isfinite(v):
+                raise ValueError(f"reward function '{name}' returned {v} for episode {i}")
+            ep.rewards[name] = v
+            total[i] += w * v
+    return total
+
+
+# ======================================================================================
+# Advantages (pure functions)
+# ======================================================================================
+
+def group_normalize(rewards, scale: bool = True) -> np.ndarray:
+    """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
+    such as 0.1 + 0.25 vs 0.35 (spread ~1e-8) would otherwise become a full +-1 advantage."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.max() - r.min() <= 1e-6 * max(1.0, float(np.abs(r).max())):
+        return np.zeros_like(r)
+    centred = r - r.mean()
+    return centred / (r.std(ddof=1) + 1e-4) if scale else centred
+
+
+def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = True):
+    """One group's rewards -> per-episode advantages (before, after) the first tool result.
+
+    mt_grpo:      before = A_O + coef * A_T, after = A_O   (paper Eq. 5)
+    grpo_outcome: before = after = A_O                     (GRPO-OR: outcome reward only)
+    grpo_merged:  before = after = norm(R_T + R_O)         (GRPO-MR: one merged scalar)
+    """
+    if mode == "mt_grpo":
+        a_o = group_normalize(outcome_R, scale)
+        return a_o + coef * group_normalize(turn_R, scale), a_o
+    if mode == "grpo_outcome":
+        a = group_normalize(outcome_R, scale)
+    elif mode == "grpo_merged":
+        a = group_normalize(np.add(turn_R, outcome_R), scale)
+    else:
+        raise ValueError(f"unknown advantage_mode {mode!r}")
+    return a, a
+
+
+def token_advantages(turn_idx, loss_mask, before: float, after: float, split_turn) -> list[float]:
+    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn
+    after a tool result; None = no tool result, so every turn is 'before'), `after` on later ones,
+    0 on tokens that are not trained."""
+    split = math.inf if split_turn is None else split_turn
+    return [float(m) * (before if t < split else after) for t, m in zip(turn_idx, loss_mask)]
+
+
+# ======================================================================================
+# Loss (pure function)
+# ======================================================================================
+
+def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float, aggregation: str,
+              num_tokens: int, num_seqs: int, beta: float = 0.0, ref_logp=None, is_weight=None):
+    """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch.
+
+    The denominators (`num_tokens`, `num_seqs`) are those of the whole batch, so summing the losses
+    of micro-batches gives the gradient of the whole batch at once (gradient accumulation).
+    `is_weight` is the (capped, detached) trainer/sampler importance weight per token.
+    """
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1                      # k3 estimator of KL(pi || ref), >= 0
+        per_token = per_token + beta * kl
+    mask = mask.to(logp.dtype)
+    if aggregation == "token_mean":
+        loss = (per_token * mask).sum() / max(num_tokens, 1)
+    elif aggregation == "sequence_mean":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1)
+    else:
+        raise ValueError(f"unknown loss_aggregation {aggregation!r}")
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {"clip_frac": (((ratio - clipped).abs() > 1e-8).to(mask.dtype) * mask).sum() / n,
+                 "kl": (kl * mask).sum() / n, "ratio": (ratio * mask).sum() / n}
+    return loss, stats
+
+
+# ======================================================================================
+# Train step, checkpoints
+# ======================================================================================
+
+def token_logprobs(model, ids, attn, temperature: float):
+    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0))
+
+
+def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    T = max(len(s.input_ids) for s in samples)
+    def pad(key, fill, dtype):
+        return torch.tensor([getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device)
+    return {"ids": pad("input_ids", pad_id, torch.long), "mask": pad("loss_mask", 0, torch.long),
+            "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32), "adv": pad("advantages", 0.0, torch.float32),
+            "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device)}
+
+
+def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+    """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches."""
+    device = next(model.parameters()).device
+    num_tokens = sum(sum(s.loss_mask) for s in samples)
+    if num_tokens == 0:
+        return {"loss/skipped_empty_batch": 1.0}
+    mbs = [collate(samples[i:i + cfg.micro_batch_size], pad_id, device)
+           for i in range(0, len(samples), cfg.micro_batch_size)]
+    with torch.no_grad(), autocast(cfg, device):
+        for mb in mbs:
+            if cfg.num_iterations > 1:   # the policy before any update of this batch
+                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+            if cfg.beta > 0:
+                mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
+    model.train()
+    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0}
+    for _ in range(cfg.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for mb in mbs:
+            with autocast(cfg, device):
+                logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+            old = mb.get("old", logp.detach())
+            isw = None
+            if cfg.is_ratio_cap > 0:
+                isw = torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
+            loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                 aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=len(samples),
+                                 beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
+            loss.backward()
+            w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
+            sums["loss/policy"] += loss.item() / cfg.num_iterations
+            for k in ("clip_frac", "kl", "ratio"):
+                sums[f"loss/{k}"] += st[k].item() * w
+            if isw is not None:
+                sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+    return {**sums, "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0]}
+
+
+def lr_lambda(cfg: Config):
+    total = max(1, cfg.max_steps * cfg.num_iterations)
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
+    return f
+
+
+def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
+    """HF model + tokenizer, and the trainer state. Written to a temp folder, then renamed, so a
+    crash mid-save leaves the previous checkpoint as it was."""
+    final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
+               os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def find_checkpoint(cfg: Config) -> str | None:
+    if cfg.resume_from_checkpoint in ("", None):
+        return None
+    if cfg.resume_from_checkpoint != "auto":
+        if not os.path.isfile(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt")):
+            raise ConfigError(f"resume_from_checkpoint: no checkpoint at '{cfg.resume_from_checkpoint}' "
+                              "(expected a folder with trainer_state.pt)")
+        return cfg.resume_from_checkpoint
+    found = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)] if os.path.isdir(cfg.output_dir) else []
+    found = [d for d in found if os.path.isfile(os.path.join(cfg.output_dir, d, "trainer_state.pt"))]
+    return os.path.join(cfg.output_dir, max(found, key=lambda d: int(d.split("-")[1]))) if found else None
+
+
+# ======================================================================================
+# main(): rollout -> reward -> advantage -> update -> log -> save
+# ======================================================================================
+
+def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
+    """P prompts for this step, each repeated G times. Depends only on (seed, step): resumable."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    picked = rng.sample(rows, cfg.prompts_per_step) if len(rows) >= cfg.prompts_per_step else rng.choices(rows, k=cfg.prompts_per_step)
+    return [r for r in picked for _ in range(cfg.num_generations)]
+
+
+def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
+    return {"step": step, "episode": i, "group": i // cfg.num_generations, "messages": ep.messages,
+            "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "forks": ep.forks,
+            "rewards": ep.rewards, "turn_reward": ep.turn_reward, "outcome_reward": ep.outcome_reward,
+            "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
+            "first_result_turn": ep.first_result_turn,
+            "samples": [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "sampler_logprobs": s.sampler_logprobs,
+                         "advantages": s.advantages, "turn_idx": s.turn_idx} for s in ep.samples]}
+
+
+def rollout_metrics(eps: list[Episode]) -> dict:
+    n = len(eps)
+    samples = [s for e in eps for s in e.samples]
+    return {"rollout/turns": sum(len(e.turns) for e in eps) / n, "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
+            "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
+            "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
+            "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
+            "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
+            "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
+            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n}
+
+
+def train(cfg: Config, recipe_path: str | None = None) -> list[dict]:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    seed_everything(cfg.seed)
+    # Check every plug-in before any model work, so a bad recipe fails in seconds.
+    tools = [load_object(s, "tool") for s in cfg.tools]
+    turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
+    outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
+    turn_w = cfg.turn_reward_weights or [1.0] * len(turn_fns)
+    outcome_w = cfg.outcome_reward_weights or [1.0] * len(outcome_fns)
+    rows = load_rows(cfg.dataset)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+
+    if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
+        print(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...", flush=True)
+        tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        load_object(cfg.model_builder, "model builder")(tmp, system_prompt=MultiTurnToolEnv(None, tools, cfg).system_prompt)
+        os.replace(tmp, cfg.model_name_or_path)
+    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            rep = json.load(f)
+        ws = rep.get("warmstart", {})
+        print(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; supervised warm-start of "
+              f"{ws.get('steps')} steps on {ws.get('demonstrations')} generated demonstrations "
+              f"(final loss {ws.get('final_loss')}, {ws.get('seconds')} s)", flush=True)
+
+    ckpt = find_checkpoint(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    src = ckpt or cfg.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if cfg.beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    start = 0
+    if ckpt:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start = state["step"]
+        print(f"[mt-grpo] resumed from {ckpt} at step {start}", flush=True)
+
+    env = MultiTurnToolEnv(tokenizer, tools, cfg)
+    sampler = LocalSampler(model, tokenizer)
+    pad_id = sampler.pad_id
+    wandb_run = None
+    if cfg.report_to == "wandb":
+        import wandb
+        wandb_run = wandb.init(project=cfg.wandb_project, dir=cfg.output_dir, config=dataclasses.asdict(cfg),
+                               name=os.path.basename(cfg.output_dir.rstrip("/")), resume="allow")
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    history = []
+    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # 1. rollout
+        batch = rows_for_step(rows, cfg, step)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+        episodes = env.rollout(batch, sampler, gen)
+        t_roll = time.time() - t0
+        # 2. reward
+        turn_R = score(episodes, turn_fns, turn_w)
+        outcome_R = score(episodes, outcome_fns, outcome_w)
+        # 3. advantage, per group, then per token
+        G = cfg.num_generations
+        for g in range(0, len(episodes), G):
+            before, after = episode_advantages(turn_R[g:g + G], outcome_R[g:g + G], cfg.advantage_mode,
+                                               cfg.turn_advantage_coef, cfg.scale_rewards)
+            for ep, tr, orr, b, a in zip(episodes[g:g + G], turn_R[g:g + G], outcome_R[g:g + G], before, after):
+                ep.turn_reward, ep.outcome_reward, ep.adv_before, ep.adv_after = tr, orr, float(b), float(a)
+                for s in ep.samples:
+                    s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
+        # 4. update
+        samples = [s for ep in episodes for s in ep.samples]
+        t1 = time.time()
+        m = train_on_samples(model, ref_model, optimizer, scheduler, samples, cfg, pad_id)
+        # 5. log
+        m.update({"step": step + 1, "reward/turn": float(np.mean(turn_R)), "reward/outcome": float(np.mean(outcome_R)),
+                  **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in episodes])) for k in episodes[0].rewards},
+                  "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in episodes])),
+                  "adv/after_abs": float(np.mean([abs(ep.adv_after) for ep in episodes])),
+                  **rollout_metrics(episodes), "time/rollout": t_roll, "time/train": time.time() - t1,
+                  "time/step": time.time() - t0})
+        history.append(m)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if wandb_run:
+            wandb_run.log(m, step=step + 1)
+        bar.write(f"step {step + 1:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
+                  f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
+                  f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
+                  f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
+        if cfg.log_episodes_steps and ((step + 1) % cfg.log_episodes_steps == 0 or step == start):
+            with open(os.path.join(cfg.output_dir, "episodes.jsonl"), "a") as f:
+                for i, ep in enumerate(episodes):
+                    f.write(json.dumps(episode_record(step + 1, i, ep, cfg)) + "\n")
+        # 6. save
+        if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+            save_checkpoint(cfg, step + 1, model, tokenizer, optimizer, scheduler)
+    bar.close()
+    if wandb_run:
+        wandb_run.finish()
+    summarize(cfg, history)
+    return history
+
+
+def summarize(cfg: Config, history: list[dict]):
+    if not history:
+        print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
+        return
+    k = min(10, len(history))
+    first = {key: np.mean([h[key] for h in history[:k]]) for key in ("reward/outcome", "reward/turn", "rollout/tool_calls")}
+    last = {key: np.mean([h[key] for h in history[-k:]]) for key in first}
+    print(f"\n[mt-grpo] before/after ({k}-step means, first vs last of {len(history)} steps):")
+    for key in first:
+        print(f"  {key:<22} {first[key]:.3f} -> {last[key]:.3f}")
+    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
+    print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
+
+
+def print_help():
+    docs, hints = field_docs(), typing.get_type_hints(Config)
+    print(__doc__.split("\n\nRun:")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n\nrecipe keys:")
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        print(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}, default {default!r})\n      {docs.get(f.name, '')}")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return print_help()
+    if argv[0] == "train":
+        argv = argv[1:]
+    recipe = argv[0] if argv and not argv[0].count("=") else None
+    try:
+        cfg = load_config(recipe, argv[1:] if recipe else argv)
+        train(cfg, recipe)
+    except ConfigError as e:
+        sys.exit(f"mt-grpo: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

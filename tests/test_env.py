@@ -1,0 +1,128 @@
+"""MultiTurnToolEnv: masks come from sampled ids (I1), lists stay aligned (I2), non-sampled tokens are
+masked (I3), samples extend or fork (I4), and failures become counted outcomes (I6)."""
+import json
+
+import pytest
+
+import mt_grpo_trainer as M
+from conftest import recipe_cfg
+from tools.kv_lookup import TABLE
+
+
+def char_ids(tok, text):
+    """A valid but non-canonical tokenization: one token per character (the tokenizer would merge them)."""
+    return [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
+
+
+class ScriptedSampler:
+    """Returns scripted turns as non-canonical token ids with made-up logprobs; records every prompt."""
+
+    def __init__(self, tok, script, finish=None):
+        self.tok, self.script, self.finish = tok, script, finish or {}
+        self.prompts, self.sent = [], []
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None):
+        outs = []
+        for p in prompts:
+            k = len(self.prompts)
+            self.prompts.append(list(p))
+            ids = char_ids(self.tok, self.script[k % len(self.script)])
+            self.sent.append(ids)
+            outs.append(M.Completion(ids, [-0.01 * (j + 1) for j in range(len(ids))], self.finish.get(k, "stop")))
+        return outs
+
+
+def tool_call(key):
+    return f'<reasoning>look</reasoning>\n<tool>{json.dumps({"name": "lookup", "args": {"key": key}})}</tool>'
+
+
+def make_env(tok, tmp_path, *overrides):
+    cfg = recipe_cfg(tmp_path, *overrides)
+    return M.MultiTurnToolEnv(tok, [M.load_object(s) for s in cfg.tools], cfg)
+
+
+def test_sampled_ids_are_trained_verbatim_and_everything_else_is_masked(tok, tmp_path):
+    env = make_env(tok, tmp_path)
+    script = [tool_call("golf"), f"<reasoning>done</reasoning>\n<answer>{TABLE['golf']}</answer>"]
+    sampler = ScriptedSampler(tok, script)
+    [ep] = env.rollout([{"prompt": "What is the value of golf?", "answer": TABLE["golf"]}], sampler)
+    assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tool_errors == 0
+    assert len(ep.samples) == 1 and ep.forks == 0           # ChatML appends: one sample (I4)
+    s = ep.samples[0]
+    n = len(s.input_ids)
+    assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n      # I2
+    # I1: each turn's sampled ids sit right after exactly the prompt the sampler was given.
+    for prompt, sent in zip(sampler.prompts, sampler.sent):
+        assert s.input_ids[:len(prompt)] == prompt
+        assert s.input_ids[len(prompt):len(prompt) + len(sent)] == sent
+        assert s.loss_mask[len(prompt):len(prompt) + len(sent)] == [1] * len(sent)
+    # The ids are the non-canonical ones, not a re-encoding of their text.
+    assert tok.encode(script[0], add_special_tokens=False) != sampler.sent[0]
+    trained = [i for i, m in zip(s.input_ids, s.loss_mask) if m]
+    assert trained == sampler.sent[0] + sampler.sent[1]
+    assert [lp for lp, m in zip(s.sampler_logprobs, s.loss_mask) if m] == \
+        [-0.01 * (j + 1) for j in range(len(sampler.sent[0]))] + [-0.01 * (j + 1) for j in range(len(sampler.sent[1]))]
+    # I3: prompt, template and tool-result tokens are all mask 0.
+    masked_text = tok.decode([i for i, m in zip(s.input_ids, s.loss_mask) if not m])
+    assert f"<result>\n{TABLE['golf']}\n</result>" in masked_text and "<|im_start|>user" in masked_text
+    assert set(t for t, m in zip(s.turn_idx, s.loss_mask) if m) == {0, 1}
+    assert all(t == -1 for t, m in zip(s.turn_idx, s.loss_mask) if not m)
+    # The conversation the rewards see is the decoded sampled text.
+    assert ep.completion[0] == {"role": "assistant", "content": script[0]}
+    assert ep.first_result_turn == 1
+
+
+def test_template_that_rewrites_history_forks_a_new_sample(tok, tmp_path):
+    """A template that drops past <reasoning> blocks breaks extension: the sample is closed and the next
+    one starts from exactly the tokens the sampler sees next (I4)."""
+    env = make_env(tok, tmp_path)
+    strip = ("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and loop.index0 < messages|length - 2 %}"
+             "{% set c = c.split('</reasoning>')[-1] %}{% endif %}"
+             "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    old = tok.chat_template
+    tok.chat_template = strip
+    try:
+        sampler = ScriptedSampler(tok, [tool_call("alpha"), tool_call("bravo"), "<answer>x</answer>"])
+        [ep] = M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout([{"prompt": "q"}], sampler)
+    finally:
+        tok.chat_template = old
+    # turn 0 -> turn 1: the last assistant message keeps its reasoning, so the sample extends;
+    # turn 1 -> turn 2: turn 0's reasoning is now dropped, so the sample forks.
+    assert ep.forks == 1 and len(ep.samples) == 2
+    second = ep.samples[1]
+    assert second.input_ids[:len(sampler.prompts[2])] == sampler.prompts[2]
+    assert [i for i, m in zip(second.input_ids, second.loss_mask) if m] == sampler.sent[2]
+    first = ep.samples[0]
+    assert [i for i, m in zip(first.input_ids, first.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
+
+
+def test_max_env_steps_bounds_tool_calls(tok, tmp_path):
+    env = make_env(tok, tmp_path, "max_env_steps=2")
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [tool_call("alpha")]))
+    assert ep.tool_calls == 2 and len(ep.turns) == 3 and ep.end_reason == "max_env_steps"
+    assert sum(m["content"].startswith("<result>") for m in ep.completion) == 2
+
+
+@pytest.mark.parametrize("payload,err", [
+    ("{not json", "JSONDecodeError"), ('{"args": {}}', 'expected {"name"'),
+    ('{"name": "nope", "args": {}}', "unknown tool 'nope'"), ('{"name": "lookup", "args": {"k": 1}}', "TypeError"),
+    ('{"name": "lookup", "args": {"key": "zulu"}}', "unknown key 'zulu'")])
+def test_malformed_tool_calls_become_counted_error_results(tok, tmp_path, payload, err):
+    env = make_env(tok, tmp_path, "max_env_steps=1")
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [f"<tool>{payload}</tool>", "<answer>a</answer>"]))
+    assert ep.tool_errors == 1 and ep.end_reason == "answer"
+    assert ep.completion[1]["content"].startswith("<result>\nError:") and err in ep.completion[1]["content"]
+
+
+def test_tool_call_cut_at_max_tokens_is_not_run(tok, tmp_path):
+    env = make_env(tok, tmp_path)
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [tool_call("golf")], finish={0: "length"}))
+    assert ep.end_reason == "truncated" and ep.tool_calls == 0 and len(ep.completion) == 1
+
+
+def test_prompt_over_context_budget_ends_episode_without_sampling(tok, tmp_path):
+    env = make_env(tok, tmp_path, "max_seq_len=8")
+    sampler = ScriptedSampler(tok, ["<answer>a</answer>"])
+    [ep] = env.rollout([{"prompt": "a long question that does not fit"}], sampler)
+    assert ep.end_reason == "context" and sampler.prompts == [] and ep.turns == []

@@ -1,0 +1,102 @@
+"""The whole loop: the default recipe end to end, the episode dump's schema, resume equality, wandb offline."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import mt_grpo_trainer as M
+from conftest import ROOT, recipe_cfg
+
+VARYING_REWARD = '''
+def length_parity(completions, **_):
+    """Turn reward that varies between episodes, so a random model still gets a learning signal."""
+    return [float(len(c[0]["content"]) % 2) for c in completions]
+'''
+
+
+def check_episode_record(rec, tok):
+    assert {"messages", "rewards", "turn_reward", "outcome_reward", "advantage_before_result",
+            "advantage_after_result", "first_result_turn", "samples", "end_reason"} <= set(rec)
+    split = rec["first_result_turn"]
+    assistant = "".join(m["content"] for m in rec["messages"] if m["role"] == "assistant")
+    for s in rec["samples"]:
+        n = len(s["input_ids"])
+        assert len(s["loss_mask"]) == len(s["sampler_logprobs"]) == len(s["advantages"]) == len(s["turn_idx"]) == n
+        for t, m, a, lp in zip(s["turn_idx"], s["loss_mask"], s["advantages"], s["sampler_logprobs"]):
+            if not m:
+                assert a == 0 and lp == 0 and t == -1
+            else:
+                want = rec["advantage_before_result"] if split is None or t < split else rec["advantage_after_result"]
+                assert a == pytest.approx(want) and lp <= 0
+        # what was trained decodes to text the model wrote (its EOS aside)
+        trained = tok.decode([i for i, m in zip(s["input_ids"], s["loss_mask"]) if m]).replace(tok.eos_token, "")
+        assert trained.replace("\n", "") in assistant.replace("\n", "")
+
+
+def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path):
+    """`bash run.sh`'s recipe, as a user runs it: builds the toy model, trains, dumps, checkpoints."""
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "max_steps=2",
+                        f"model_name_or_path={tmp_path}/model", f"output_dir={run}", "log_episodes_steps=1"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "supervised warm-start of 300 steps" in r.stdout and "before/after" in r.stdout and str(run) in r.stdout
+    assert (tmp_path / "model" / "build_report.json").is_file()
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 <= m["reward/outcome"] <= 1 and m["rollout/sampled_tokens"] > 0 for m in metrics)
+    saved = M.load_config(str(run / "config.yaml"))            # the resolved config reloads as a recipe
+    assert saved.max_steps == 2 and saved.output_dir == str(run)
+    ck = run / "checkpoint-2"
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
+        assert (ck / f).is_file(), f
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(ck)
+    recs = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 * 64 and {r["step"] for r in recs} == {1, 2}
+    for rec in recs:
+        check_episode_record(rec, tok)
+
+
+def run_cfg(tmp_path, model_dir, name, *extra):
+    reward = tmp_path / "varying.py"
+    reward.write_text(VARYING_REWARD)
+    return recipe_cfg(tmp_path, f"model_name_or_path={model_dir}", "model_builder=", f"output_dir={tmp_path}/{name}",
+                      f"turn_reward_funcs=[{reward}:length_parity]", "learning_rate=0.01", "prompts_per_step=2",
+                      "num_generations=4", "max_tokens=12", "log_episodes_steps=0", *extra)
+
+
+def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
+    full = M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", "save_steps=2"))
+    resumed = M.train(run_cfg(tmp_path, tiny_model_dir, "resumed", "max_steps=3",
+                              f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"))
+    assert len(resumed) == 1 and resumed[0]["step"] == 3
+    assert full[1]["loss/grad_norm"] > 0                        # the run really updated the model
+    for k in ("reward/turn", "loss/policy", "loss/grad_norm", "rollout/sampled_tokens"):
+        assert resumed[0][k] == pytest.approx(full[2][k], rel=1e-5, abs=1e-7), k
+    a = load_file(f"{tmp_path}/full/checkpoint-3/model.safetensors")
+    b = load_file(f"{tmp_path}/resumed/checkpoint-3/model.safetensors")
+    two = load_file(f"{tmp_path}/full/checkpoint-2/model.safetensors")
+    assert any(not torch.equal(a[k], two[k]) for k in a)      # step 3 changed the weights ...
+    for k in a:                                                # ... identically in both runs
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    # auto: picks the newest complete checkpoint of output_dir; a finished run has nothing left to do
+    auto = M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=4", "resume_from_checkpoint=auto"))
+    assert [h["step"] for h in auto] == [4]
+
+
+def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
+    with pytest.raises(M.ConfigError, match="no checkpoint at"):
+        M.train(run_cfg(tmp_path, tiny_model_dir, "x", f"resume_from_checkpoint={tmp_path}/nope"))
+
+
+def test_wandb_offline(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    M.train(run_cfg(tmp_path, tiny_model_dir, "wb", "max_steps=1", "report_to=wandb"))
+    runs = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.startswith("offline-run")]
+    assert runs, "no offline wandb run was written"
