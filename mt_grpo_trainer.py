@@ -83,6 +83,16 @@ class Config:
     """Outcome-level reward functions (`file.py:function`), scored on the whole episode."""
     outcome_reward_weights: list[float] = field(default_factory=list)
     """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
+    tool_format: str = "xml"
+    """xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
+    thinking_retention: str = "template"
+    """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep every past thinking block)."""
+    thinking_compaction_turns: int = 0
+    """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per N; 0 = never)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 without thinking."""
+    tokenization_check: str = "ignore_strippable"
+    """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
     prompts_per_step: int = 8
     """Distinct prompts per step (P); each is rolled out `num_generations` times."""
@@ -157,7 +167,9 @@ class Config:
 CHOICES = {"advantage_mode": ("mt_grpo", "grpo_outcome", "grpo_merged"),
            "loss_aggregation": ("token_mean", "sequence_mean"),
            "lr_scheduler": ("constant", "linear", "cosine"),
-           "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb")}
+           "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb"), "tool_format": ("xml", "native"),
+           "thinking_retention": ("template", "tool_cycle", "all"),
+           "tokenization_check": ("strict", "ignore_strippable", "off")}
 
 
 class ConfigError(ValueError):
@@ -197,6 +209,9 @@ def _coerce(name: str, value, typ):
                 pass
     elif typ is str:
         if isinstance(value, str):
+            return value
+    elif typ is dict:
+        if isinstance(value, dict):
             return value
     raise ConfigError(f"config key '{name}' must be {getattr(typ, '__name__', typ)}, "
                       f"got {type(value).__name__}: {value!r}")
@@ -389,6 +404,7 @@ class Sample:
     sampler_logprobs: list[float] = field(default_factory=list)
     turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
     advantages: list[float] = field(default_factory=list)
+    n_messages: int = 0                                       # messages of the episode this sample covers
 
     def append(self, ids, mask: int, logprobs=None, turn: int = -1):
         self.input_ids += ids
@@ -415,14 +431,22 @@ class Episode:
     outcome_reward: float = 0.0
     adv_before: float = 0.0
     adv_after: float = 0.0
+    raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
+    forced: str = ""                                        # text the generation prompt forced on the next turn
+    last_assistant: int = -1                                # index of the latest assistant message
+    boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
+    thinking_tokens_kept: int = 0                           # <think> tokens in the prompts the sampler saw
+    tokenization_mismatches: int = 0
 
     @property
     def completion(self) -> list[dict]:
         return self.messages[self.n_prompt_messages:]
 
 
-TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)
+TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)                   # xml: <tool>{"name", "args"}</tool>
+NATIVE_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # native (Qwen/Hermes): {"name", "arguments"}
 ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.S)
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 
 
 def describe_tool(fn) -> str:
@@ -430,23 +454,53 @@ def describe_tool(fn) -> str:
     return f"- {fn.__name__}{inspect.signature(fn)}: {doc}"
 
 
+def tool_schema(fn) -> dict:
+    """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
+    doc = inspect.getdoc(fn) or ""
+    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
+    hints = typing.get_type_hints(fn)
+    json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+    props, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        t = hints.get(name, str)
+        props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
+        if name in arg_docs:
+            props[name]["description"] = arg_docs[name].strip()
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " "),
+                                             "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+def is_env_reply(m: dict) -> bool:
+    """A tool result (native role 'tool', or the XML protocol's <result> user message), not a user query."""
+    return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
+
+
 class MultiTurnToolEnv:
-    """The paper's XML protocol: <reasoning>, then <tool>{json}</tool> or <answer>; results come back
-    as a user message <result>...</result>.
+    """Rollouts with tools, and the token buffers that become training samples.
 
-    Token buffers (I1-I4): an episode's current sample holds exactly what the sampler saw plus
-    what it sampled. Each next prompt is the chat template's rendering of the conversation. If that
-    text starts with the text the sample holds, only the new suffix is tokenized and appended with
-    mask 0, so sampled ids stay verbatim even where the tokenizer would encode their text
-    differently. If not (the template rewrote history), the sample is closed and a new one starts
-    from exactly the tokens the sampler is given next.
+    Protocols (`tool_format`):
+    - xml (the paper's): <reasoning>, then <tool>{"name", "args"}</tool> or <answer>; generation stops
+      at </tool> or </answer>; a result comes back as a user message <result>...</result>.
+    - native: the chat template's own tool calling; tools are passed to it as JSON schemas, calls are
+      parsed from <tool_call>{"name", "arguments"}</tool_call>, results come back as role 'tool'.
+
+    Token buffers (I1-I5): an episode's current sample holds exactly what the sampler saw plus what
+    it sampled. Each next prompt is `render()` of the conversation: the chat template under
+    `thinking_retention`. If that text starts with the text the sample holds, only the new suffix is
+    tokenized and appended with mask 0, so sampled ids stay verbatim even where the tokenizer would
+    encode their text differently. If not (the template rewrote history, e.g. Qwen3 dropping past
+    <think> blocks at a new user query), the sample is closed and a new one starts from exactly
+    the tokens the sampler is given next.
     """
-
-    STOP = ("</tool>", "</answer>")
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.tok, self.cfg = tokenizer, cfg
         self.tools = {fn.__name__: fn for fn in tools}
+        self.native = cfg.tool_format == "native"
+        self.schemas = [tool_schema(f) for f in tools] if self.native and tools else None
+        self.stop = () if self.native else ("</tool>", "</answer>")
         self.system_prompt = cfg.system_prompt.replace("{tools}", "\n".join(describe_tool(f) for f in tools))
 
     def new_episode(self, row: dict) -> Episode:
@@ -455,16 +509,69 @@ class MultiTurnToolEnv:
         msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
 
-    def render(self, messages) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # --- rendering (I5) ---------------------------------------------------------------------
+
+    def template(self, messages, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
+
+    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
+        """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
+        template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
+        last user query, once a tool result is in it); all: every one."""
+        mode = self.cfg.thinking_retention
+        if mode == "all":
+            return set(raw)
+        if mode == "tool_cycle":
+            last_query = max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_env_reply(m)), default=-1)
+            if any(is_env_reply(m) for m in messages[last_query + 1:]):
+                return {i for i in raw if i > last_query}
+        return set()
+
+    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None) -> str:
+        """The chat template's text for the conversation under thinking_retention. Turns kept verbatim
+        are rendered by the template as placeholders, then replaced by their sampled text.
+        Compaction (every N turns) strips the thinking of the turns before the last multiple of N,
+        counted at the prompt of turn `n_turns` (default: the next turn)."""
+        n = self.cfg.thinking_compaction_turns
+        cut = (len(raw) if n_turns is None else n_turns) // n * n if n else 0
+        compacted = set(sorted(raw)[:cut])
+        msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
+        # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
+        final = set() if add_generation_prompt else {len(messages) - 1}
+        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in self.verbatim_turns(messages, raw) - compacted - final}
+        for i, h in holes.items():
+            msgs[i] = {"role": "assistant", "content": h}
+        text = self.template(msgs, add_generation_prompt)
+        for i, h in holes.items():
+            assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
+            text = text.replace(h, raw[i])
+        return text
+
+    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
+        """Text the generation prompt adds to the next turn beyond the template's history header for an
+        assistant turn (Qwen3's `<think>\n\n</think>\n\n` with enable_thinking=false). It belongs to
+        that turn: kept verbatim with it under tool_cycle/all."""
+        base = self.render(messages, raw, False)
+        hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
+        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False)
+        if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
+            return ""
+        gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
+        return gen[len(header):] if gen.startswith(header) else ""
 
     def next_prompt(self, ep: Episode) -> list[int]:
         """Extend the episode's sample with the environment's tokens, or fork a new one (I4)."""
-        text = self.render(ep.messages)
+        text = self.render(ep.messages, ep.raw)
+        ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
+        ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
         if ep.samples:
             s = ep.samples[-1]
             held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            if text.startswith(held):
+            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[ep.last_assistant + 1:]) else "tool"
+            extends = text.startswith(held)
+            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends})
+            if extends:
                 s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
                 return list(s.input_ids)
             ep.forks += 1
@@ -473,46 +580,79 @@ class MultiTurnToolEnv:
         ep.samples.append(s)
         return list(s.input_ids)
 
-    def call_tool(self, ep: Episode, payload: str) -> str:
-        """Run one tool call; every failure becomes an error message the model sees (I6)."""
+    # --- tools ------------------------------------------------------------------------------
+
+    def call_tool(self, ep: Episode, call) -> str:
+        """Run one parsed tool call; every failure becomes an error message the model sees (I6)."""
         ep.tool_calls += 1
         try:
-            call = json.loads(payload)
+            if isinstance(call, Exception):
+                raise call
             if not isinstance(call, dict) or "name" not in call:
-                raise ValueError('expected {"name": ..., "args": {...}}')
+                raise ValueError(f'expected {{"name": ..., "{self.args_key}": {{...}}}}')
             if call["name"] not in self.tools:
                 raise ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
-            args = call.get("args", {})
+            args = call.get(self.args_key, {})
             if not isinstance(args, dict):
-                raise ValueError("'args' must be a JSON object")
+                raise ValueError(f"'{self.args_key}' must be a JSON object")
             return str(self.tools[call["name"]](**args))
         except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
             ep.tool_errors += 1
             return f"Error: {type(e).__name__}: {e}"
 
+    @property
+    def args_key(self) -> str:
+        return "arguments" if self.native else "args"
+
+    def parse(self, text: str) -> tuple[dict, list]:
+        """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
+        if not self.native:
+            hit = TOOL_RE.search(text)
+            return {"role": "assistant", "content": text}, [self._json(hit.group(1))] if hit else []
+        calls = [self._json(c) for c in NATIVE_CALL_RE.findall(text)]
+        if not calls:
+            return {"role": "assistant", "content": text}, []
+        before = text[: text.index("<tool_call>")]
+        # templates put one "\n" between content and the first call: that one is theirs, not content
+        msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
+               "tool_calls": [{"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                              for c in calls if isinstance(c, dict)]}
+        return msg, calls
+
+    @staticmethod
+    def _json(payload: str):
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError as e:
+            return e
+
     def step(self, ep: Episode, c: Completion):
-        """Record one sampled turn, then decide: answer, tool call, or end."""
+        """Record one sampled turn, then decide: answer, tool call(s), or end."""
         t = len(ep.turns)
         ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
         ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
-        text = self.tok.decode(c.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if self.tok.eos_token and text.endswith(self.tok.eos_token):
-            text = text[: -len(self.tok.eos_token)]
-        ep.messages.append({"role": "assistant", "content": text})
-        tool = TOOL_RE.search(text)
+        keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
+        text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        msg, calls = self.parse(text)
+        ep.last_assistant = len(ep.messages)
+        ep.raw[len(ep.messages)] = ep.forced + text
+        ep.messages.append(msg)
+        ep.samples[-1].n_messages = len(ep.messages)
         if c.finish_reason == "length":
             ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
-        elif ANSWER_RE.search(text):
-            ep.done, ep.end_reason = True, "answer"
-        elif tool is None:
-            ep.done, ep.end_reason = True, "no_action"
+        elif not calls:
+            ep.done, ep.end_reason = True, "answer" if (self.native or ANSWER_RE.search(text)) else "no_action"
         elif ep.tool_calls >= self.cfg.max_env_steps:
             ep.done, ep.end_reason = True, "max_env_steps"
         else:
-            result = self.call_tool(ep, tool.group(1))
-            ep.messages.append({"role": "user", "content": f"<result>\n{result}\n</result>"})
+            for call in calls:
+                result = self.call_tool(ep, call)
+                ep.messages.append({"role": "tool", "content": result} if self.native else
+                                   {"role": "user", "content": f"<result>\n{result}\n</result>"})
             if ep.first_result_turn is None:
                 ep.first_result_turn = t + 1
+
+    # --- rollout and the tokenization sanity check ---------------------------------------------
 
     def rollout(self, rows: list[dict], sampler, generator=None) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
@@ -529,7 +669,7 @@ class MultiTurnToolEnv:
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
                 outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live],
-                                        self.cfg.temperature, self.cfg.top_p, self.STOP, generator)
+                                        self.cfg.temperature, self.cfg.top_p, self.stop, generator)
                 for i, c in zip(live, outs):
                     self.step(active[i], c)
             active = [ep for ep in active if not ep.done]
@@ -537,7 +677,39 @@ class MultiTurnToolEnv:
             for s in ep.samples:
                 n = len(s.input_ids)
                 assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n, "I2: sample lists out of step"
+            ep.tokenization_mismatches = self.check_tokenization(ep)
         return eps
+
+    def check_tokenization(self, ep: Episode) -> int:
+        """Compare each sample's text with a fresh full rendering of the messages it covers (I5).
+        Returns the number of mismatches; raises on one unless it is whitespace-only under
+        `ignore_strippable`."""
+        mode, found = self.cfg.tokenization_check, 0
+        if mode == "off":
+            return 0
+        for k, s in enumerate(ep.samples):
+            if not s.n_messages:
+                continue
+            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
+            fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
+            if fresh.startswith(held):
+                continue
+            found += 1
+            if mode == "ignore_strippable" and "".join(fresh.split()).startswith("".join(held.split())):
+                continue
+            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
+            raise TokenizationMismatch(
+                f"sample {k} of an episode differs from a fresh rendering of its {s.n_messages} messages "
+                f"(thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
+                f"  trained : ...{held[max(0, at - 80):at + 80]!r}\n  template: ...{fresh[max(0, at - 80):at + 80]!r}\n"
+                "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
+                "tokenization_check: ignore_strippable (whitespace-only differences) or off.")
+        return found
+
+
+class TokenizationMismatch(RuntimeError):
+    pass
 
 
 # ======================================================================================
@@ -547,11 +719,11 @@ class MultiTurnToolEnv:
 def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
     """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
     completions = [ep.completion for ep in episodes]
-    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row if k != "prompt"}
+    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
     total = [0.0] * len(episodes)
     for fn, w in zip(funcs, weights):
         name = getattr(fn, "__name__", str(fn))
-        vals = fn(completions, prompts=[ep.row["prompt"] for ep in episodes], **columns)
+        vals = fn(completions, **columns)
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
             raise ValueError(f"reward function '{name}' must return a list of {len(episodes)} floats, got {vals!r:.200}")
         for i, (ep, v) in enumerate(zip(episodes, vals)):
@@ -744,6 +916,140 @@ def find_checkpoint(cfg: Config) -> str | None:
 
 
 # ======================================================================================
+# check-template: simulate multi-turn episodes through the real env code, before training
+# ======================================================================================
+
+def _sim_search(query: str) -> str:
+    """Search the web for `query`.
+
+    Args:
+        query: what to search for
+    """
+    return f"Results for {query}: 42 is the answer."
+
+
+def simulate_episode(env: MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[Episode, list]:
+    """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS
+    where the protocol ends turns with it), ("user", text) is a new user query. Returns the episode
+    and the (prompt, sampled ids) pairs the sampler would have seen."""
+    ep = env.new_episode({"prompt": "What is six times seven?"})
+    seen = []
+    for role, text in script:
+        if role == "user":
+            ep.messages.append({"role": "user", "content": text})
+            continue
+        prompt = env.next_prompt(ep)
+        ids = env.tok.encode(text, add_special_tokens=False) + ([eos_id] if env.native and eos_id is not None else [])
+        seen.append((prompt, ids))
+        env.step(ep, Completion(ids, [0.0] * len(ids), "stop"))
+        ep.done = False
+    return ep, seen
+
+
+def check_invariants(ep: Episode, seen: list, env: MultiTurnToolEnv) -> list[str]:
+    """I1-I3 and I5 on one simulated episode, as readable violations."""
+    bad = []
+    for t, (prompt, ids) in enumerate(seen):
+        s = next((s for s in ep.samples if s.input_ids[:len(prompt)] == prompt and
+                  s.input_ids[len(prompt):len(prompt) + len(ids)] == ids), None)
+        if s is None:
+            bad.append(f"I1: turn {t}'s sampled ids are not in any sample right after the prompt the sampler saw")
+        elif s.loss_mask[len(prompt):len(prompt) + len(ids)] != [1] * len(ids):
+            bad.append(f"I3: turn {t}'s sampled ids are not all mask 1")
+    for k, s in enumerate(ep.samples):
+        if not len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx):
+            bad.append(f"I2: sample {k}'s per-token lists differ in length")
+    trained = sum(sum(s.loss_mask) for s in ep.samples)
+    if trained != sum(len(ids) for _, ids in seen):
+        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled")
+    try:
+        env.check_tokenization(ep)
+    except TokenizationMismatch as e:
+        bad.append(f"I5: {e}")
+    return bad
+
+
+def check_template(tokenizer, thinking_retention: str = "template", tool_format: str = "native") -> dict:
+    """Simulate episodes with and without thinking: tool turns, then a new user turn after the tool
+    cycle. Report, per setting, whether extension holds at each boundary, the samples a T-turn episode
+    makes, and any invariant violation."""
+    cfg = Config(system_prompt="You are a helpful assistant.", tool_format=tool_format, max_env_steps=100,
+                 thinking_retention=thinking_retention, tokenization_check="strict")
+    env = MultiTurnToolEnv(tokenizer, [_sim_search], cfg)
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+
+    def call(q):
+        if tool_format == "native":
+            return '<tool_call>\n{"name": "_sim_search", "arguments": ' + json.dumps({"query": q}) + "}\n</tool_call>"
+        return '<tool>{"name": "_sim_search", "args": ' + json.dumps({"query": q}) + "}</tool>"
+
+    def answer(a):
+        return a if tool_format == "native" else f"<answer>{a}</answer>"
+
+    report = {"thinking_retention": thinking_retention, "tool_format": tool_format, "settings": {}}
+    for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
+        cfg.chat_template_kwargs = {} if think else {"enable_thinking": False}
+        th = (lambda x: think.format(x)) if think else (lambda x: "")
+        script = [("assistant", th("I should search.") + call("six times seven")),
+                  ("assistant", th("Search once more.") + call("multiplication")),
+                  ("assistant", th("Both agree.") + answer("42")),
+                  ("user", "Why is that?"),
+                  ("assistant", th("Look it up.") + call("why 42")),
+                  ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42."))]
+        ep, seen = simulate_episode(env, script, eos)
+        violations = check_invariants(ep, seen, env)
+        for b in ep.boundaries:
+            if not b["extends"]:
+                b["why"] = ("the chat template renders earlier turns differently once a new user query arrives "
+                            "(e.g. it drops past <think> blocks): the sample forks here" if b["kind"] == "user" else
+                            "the chat template re-renders the previous turn differently from what was sampled: the sample forks")
+        report["settings"][setting] = {"extension_holds": all(b["extends"] for b in ep.boundaries),
+                                       "samples_per_episode": len(ep.samples), "turns": len(seen),
+                                       "boundaries": ep.boundaries, "violations": violations}
+    st = report["settings"].values()
+    report.update(extension_holds=all(x["extension_holds"] for x in st),
+                  samples_per_episode=max(x["samples_per_episode"] for x in st),
+                  boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
+                  violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]])
+    return report
+
+
+def check_template_main(argv):
+    import argparse
+    from transformers import AutoTokenizer
+    ap = argparse.ArgumentParser(prog="mt_grpo_trainer.py check-template",
+                                 description="Check a chat template for multi-turn RL before training.")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
+    ap.add_argument("--chat-template", help="a .jinja file that replaces the tokenizer's chat template")
+    ap.add_argument("--thinking-retention", default="template", choices=CHOICES["thinking_retention"])
+    ap.add_argument("--tool-format", default="native", choices=CHOICES["tool_format"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    if a.chat_template:
+        with open(a.chat_template) as f:
+            tok.chat_template = f.read()
+    if not tok.chat_template:
+        sys.exit(f"mt-grpo: error: {a.tokenizer} has no chat template; pass --chat-template FILE")
+    r = check_template(tok, a.thinking_retention, a.tool_format)
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"check-template: {a.tokenizer} (thinking_retention={a.thinking_retention}, tool_format={a.tool_format})")
+        for name, x in r["settings"].items():
+            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'FORK'}" for b in x["boundaries"])
+            print(f"  {name:<12} {x['turns']} turns -> {x['samples_per_episode']} sample(s) | boundaries: {marks}")
+            for b in x["boundaries"]:
+                if not b["extends"]:
+                    print(f"      turn {b['turn']}: {b['why']}")
+            for v in x["violations"]:
+                print(f"      VIOLATION {v}")
+        print("  extension holds on every boundary" if r["extension_holds"] else
+              "  extension breaks at the boundaries marked FORK (counted as rollout/forks in training)")
+    return 1 if r["violations"] else 0
+
+
+# ======================================================================================
 # main(): rollout -> reward -> advantage -> update -> log -> save
 # ======================================================================================
 
@@ -757,6 +1063,7 @@ def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
     return {"step": step, "episode": i, "group": i // cfg.num_generations, "messages": ep.messages,
             "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "forks": ep.forks,
+            "boundaries": ep.boundaries, "tokenization_mismatches": ep.tokenization_mismatches,
             "rewards": ep.rewards, "turn_reward": ep.turn_reward, "outcome_reward": ep.outcome_reward,
             "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
             "first_result_turn": ep.first_result_turn,
@@ -773,10 +1080,14 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
             "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
             "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
+            # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
+            "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
+            "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
+            "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
             "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n}
 
 
-def train(cfg: Config, recipe_path: str | None = None) -> list[dict]:
+def train(cfg: Config) -> list[dict]:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     seed_everything(cfg.seed)
@@ -923,12 +1234,14 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
+    if argv[0] == "check-template":
+        sys.exit(check_template_main(argv[1:]))
     if argv[0] == "train":
         argv = argv[1:]
     recipe = argv[0] if argv and not argv[0].count("=") else None
     try:
         cfg = load_config(recipe, argv[1:] if recipe else argv)
-        train(cfg, recipe)
+        train(cfg)
     except ConfigError as e:
         sys.exit(f"mt-grpo: error: {e}")
 

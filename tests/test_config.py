@@ -75,3 +75,10 @@ def test_cli_reports_config_errors_without_a_traceback():
     assert r.returncode != 0 and "unknown config key 'bogus_key'" in r.stderr and "Traceback" not in r.stderr
     h = subprocess.run([sys.executable, "mt_grpo_trainer.py", "--help"], capture_output=True, text=True, timeout=120)
     assert h.returncode == 0 and "turn_advantage_coef" in h.stdout and "lambda: weight of the turn advantage" in h.stdout
+
+
+def test_readme_documents_every_recipe_key_and_the_ci_command():
+    readme = open("README.md").read()
+    missing = [f.name for f in dataclasses.fields(M.Config) if f"| `{f.name}` |" not in readme]
+    assert not missing, f"README.md's recipe-key table lacks {missing}"
+    assert "bash run.sh test" in readme and "bash run.sh test" in open(".ci/run").read()

@@ -97,6 +97,7 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_
 def test_wandb_offline(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    M.train(run_cfg(tmp_path, tiny_model_dir, "wb", "max_steps=1", "report_to=wandb"))
+    h = M.train(run_cfg(tmp_path, tiny_model_dir, "wb", "max_steps=2", "report_to=wandb", "beta=0.1"))
+    assert h[0]["loss/kl"] == 0.0 < h[1]["loss/kl"]    # KL to the frozen reference: 0 at first, then it grows
     runs = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.startswith("offline-run")]
     assert runs, "no offline wandb run was written"

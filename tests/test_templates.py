@@ -1,0 +1,192 @@
+"""Token faithfulness across real chat templates (fixtures in ../shared): extension, forks, thinking
+retention, native tool calls, adversarial sampled ids, and the tokenization check."""
+import json
+import os
+
+import pytest
+
+import mt_grpo_trainer as M
+from conftest import ROOT
+from test_env import ScriptedSampler, char_ids
+
+FIX = os.path.join(ROOT, "..", "shared", "fixtures")
+pytestmark = pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (real tokenizer and chat templates)")
+TEMPLATES = ["qwen3", "qwen2_5", "llama3_1", "smollm2"]
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
+    tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read()
+    return tok
+
+
+def with_template(tok, name):
+    t = tok.__class__.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
+    t.chat_template = open(os.path.join(FIX, f"{name}_chat_template.jinja")).read()
+    return t
+
+
+def kinds(setting):
+    return [(b["kind"], b["extends"]) for b in setting["boundaries"]]
+
+
+def test_qwen3_template_forks_exactly_where_the_template_drops_thinking(qwen3):
+    r = M.check_template(qwen3, "template", "native")
+    assert r["violations"] == []
+    th, plain = r["settings"]["thinking"], r["settings"]["no_thinking"]
+    # Thinking: past <think> blocks survive the tool cycle and are dropped at the new user query.
+    assert kinds(th) == [("tool", True), ("tool", True), ("user", False), ("tool", True)]
+    assert th["samples_per_episode"] == 2
+    # enable_thinking=false: the generation prompt forces an empty <think></think> that the template
+    # never shows in history, so every boundary rewrites the previous turn.
+    assert kinds(plain) == [("tool", False), ("tool", False), ("user", False), ("tool", False)]
+
+
+def test_qwen3_drops_thinking_at_the_user_query_and_the_new_sample_is_what_the_sampler_saw(qwen3):
+    cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10)
+    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    call = '<think>\nsecret plan\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
+    ep, seen = M.simulate_episode(env, [("assistant", call), ("assistant", "<think>\nok\n</think>\n\nDone."),
+                                        ("user", "Again?"), ("assistant", "<think>\nsure\n</think>\n\nYes.")], qwen3.eos_token_id)
+    assert len(ep.samples) == 2 and ep.forks == 1
+    first, second = (qwen3.decode(s.input_ids) for s in ep.samples)
+    assert "secret plan" in first and "secret plan" not in second       # the template dropped it at the user query
+    assert ep.samples[1].input_ids[:len(seen[2][0])] == seen[2][0]       # new sample = exactly the sampler's prompt
+    assert second == qwen3.apply_chat_template(ep.messages[:-1], tools=env.schemas, tokenize=False,
+                                               add_generation_prompt=True) + "<think>\nsure\n</think>\n\nYes.<|im_end|>"
+
+
+def test_all_retention_keeps_every_thinking_block_in_one_sample(qwen3):
+    r = M.check_template(qwen3, "all", "native")
+    assert r["violations"] == [] and r["extension_holds"] and r["samples_per_episode"] == 1
+
+
+def test_tool_cycle_keeps_thinking_only_inside_the_cycle():
+    """A QwQ-style template drops every past thinking block: under `template` each tool turn forks;
+    `tool_cycle` keeps the in-flight cycle verbatim (one sample until the next user query)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
+    tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read().replace(
+        "{%- if loop.index0 > ns.last_query_index %}", "{%- if loop.last %}")
+    t = M.check_template(tok, "template", "native")["settings"]["thinking"]
+    assert kinds(t) == [("tool", False), ("tool", False), ("user", False), ("tool", False)]
+    c = M.check_template(tok, "tool_cycle", "native")
+    assert kinds(c["settings"]["thinking"]) == [("tool", True), ("tool", True), ("user", False), ("tool", True)]
+    assert c["violations"] == []
+
+
+def test_compaction_breaks_extension_once_every_n_turns(qwen3):
+    cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=100, thinking_retention="all",
+                   thinking_compaction_turns=2, tokenization_check="strict")
+    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    call = '<think>\nstep {}\n</think>\n\n<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "q{}"}}}}\n</tool_call>'
+    ep, seen = M.simulate_episode(env, [("assistant", call.format(i, i)) for i in range(6)], qwen3.eos_token_id)
+    assert [b["extends"] for b in ep.boundaries] == [True, False, True, False, True]
+    assert len(ep.samples) == 3
+    last_prompt = qwen3.decode(seen[5][0])
+    assert "step 4" in last_prompt and all(f"step {i}" not in last_prompt for i in range(4))
+    assert M.check_invariants(ep, seen, env) == []
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_xml_protocol_under_every_template(qwen3, name):
+    r = M.check_template(with_template(qwen3, name), "template", "xml")
+    assert r["violations"] == []
+    if name == "qwen3":   # an XML <result> is a user message, i.e. a new query to Qwen3: thinking dropped every turn
+        assert not any(b["extends"] for b in r["settings"]["thinking"]["boundaries"])
+        assert M.check_template(with_template(qwen3, name), "all", "xml")["samples_per_episode"] == 1
+    else:
+        assert r["extension_holds"] and r["samples_per_episode"] == 1
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_native_tool_calls_keep_i1_to_i3_under_every_template(qwen3, name):
+    """Hermes <tool_call> calls: I1-I3 hold under every template. Templates that render calls in
+    another format (Llama 3.1's JSON) or not at all (SmolLM2's) fork, and the I5 check says so."""
+    r = M.check_template(with_template(qwen3, name), "template", "native")
+    assert not [v for v in r["violations"] if "I5" not in v]
+    if name in ("qwen3", "qwen2_5"):
+        assert r["violations"] == []
+    else:
+        assert r["violations"] and all("differs from a fresh rendering" in v for v in r["violations"])
+    # Hermes <tool_call> is the Qwen templates' own format: a tool-only cycle stays one sample
+    if name == "qwen3":
+        assert kinds(r["settings"]["thinking"])[:2] == [("tool", True), ("tool", True)]
+    if name == "qwen2_5":
+        assert r["settings"]["no_thinking"]["samples_per_episode"] == 1
+    if name == "llama3_1":   # re-renders calls as its own JSON, so the sample forks after each call
+        assert not r["settings"]["no_thinking"]["boundaries"][0]["extends"]
+
+
+def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
+    """Non-canonical ids ("\\n\\n" as two "\\n", text split per character) and special-token text
+    sampled as ordinary characters: the trained ids are the sampled ids, and nothing forks."""
+    cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict")
+    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    call = '<think>\nuse <|im_end|> literally\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "<|im_start|>"}}\n</tool_call>'
+    ids = char_ids(qwen3, call) + [qwen3.eos_token_id]
+    assert qwen3.convert_tokens_to_ids("<|im_end|>") not in ids[:-1]          # the text, not the control token
+    assert qwen3.encode("\n\n", add_special_tokens=False) == [271] and 271 not in ids
+
+    class Sampler(ScriptedSampler):
+        def generate(self, prompts, max_tokens, *a, **k):
+            self.prompts += prompts
+            out = ids if len(self.prompts) == 1 else qwen3.encode("<think>\nok\n</think>\n\nThe answer.", add_special_tokens=False) + [qwen3.eos_token_id]
+            self.sent.append(out)
+            return [M.Completion(out, [-0.5] * len(out), "stop")]
+
+    sampler = Sampler(qwen3, [])
+    [ep] = env.rollout([{"prompt": "Find it."}], sampler)
+    assert ep.tool_calls == 1 and ep.tool_errors == 0 and ep.end_reason == "answer"
+    assert len(ep.samples) == 1 and ep.tokenization_mismatches == 0
+    s = ep.samples[0]
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
+    assert s.input_ids[:len(sampler.prompts[1])] == sampler.prompts[1]
+    assert ep.messages[-2] == {"role": "tool", "content": "Results for <|im_start|>: 42 is the answer."}
+
+
+def test_native_tool_schema_from_signature_and_docstring(qwen3):
+    schema = M.tool_schema(M._sim_search)
+    assert schema == {"type": "function", "function": {
+        "name": "_sim_search", "description": "Search the web for `query`.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
+                       "required": ["query"]}}}
+    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], M.Config(system_prompt="", tool_format="native"))
+    text = env.render([{"role": "user", "content": "hi"}], {})
+    assert json.dumps(schema) in text and "<tool_call>" in text
+
+
+def test_tokenization_check_modes(tok, tmp_path):
+    """A template that trims message content renders a sampled trailing newline differently:
+    counted and let through under ignore_strippable, an error under strict."""
+    from conftest import recipe_cfg
+    trim = tok.chat_template.replace("m['content']", "m['content'] | trim")
+    old = tok.chat_template
+    tok.chat_template = trim
+    try:
+        for mode in ("ignore_strippable", "strict"):
+            cfg = recipe_cfg(tmp_path, f"tokenization_check={mode}")
+            env = M.MultiTurnToolEnv(tok, [], cfg)
+            if mode == "strict":
+                with pytest.raises(M.TokenizationMismatch, match="differs from a fresh rendering"):
+                    env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>\n"]))
+            else:
+                [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>\n"]))
+                assert ep.tokenization_mismatches == 1
+    finally:
+        tok.chat_template = old
+
+
+def test_check_template_cli_json():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "check-template", "--tokenizer", os.path.join(FIX, "qwen3_tokenizer"),
+                        "--chat-template", os.path.join(FIX, "qwen3_chat_template.jinja"), "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["extension_holds"] is False and out["violations"] == []
+    assert out["settings"]["thinking"]["samples_per_episode"] == 2 and out["samples_per_episode"] == 5
+    assert {"setting", "turn", "kind", "extends"} <= set(out["boundaries"][0])
