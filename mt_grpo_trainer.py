@@ -32,6 +32,7 @@ Left out on purpose (and why):
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import dataclasses
 import difflib
 import importlib.util
@@ -91,6 +92,8 @@ class Config:
     """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per N; 0 = never)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 without thinking."""
+    tool_timeout: float = 30.0
+    """Seconds a tool call may run; past it the model gets an error result and the episode goes on."""
     tokenization_check: str = "ignore_strippable"
     """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
@@ -176,6 +179,16 @@ class ConfigError(ValueError):
     pass
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off'."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {k: [(t, r) for t, r in v if t != "tag:yaml.org,2002:bool"]
+                                        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+
 def field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it (read from this file's source)."""
     tree = ast.parse(inspect.getsource(Config))
@@ -224,15 +237,16 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
         with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+            raw = yaml.load(f, Loader=RecipeLoader) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+    hints = typing.get_type_hints(Config)
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
         k, v = ov.split("=", 1)
-        raw[k.strip()] = yaml.safe_load(v) if v.strip() else ""
-    hints = typing.get_type_hints(Config)
+        k = k.strip()
+        raw[k] = v if hints.get(k) is str else yaml.load(v, Loader=RecipeLoader) if v.strip() else ""
     values = {}
     for k, v in raw.items():
         if k not in hints:
@@ -405,6 +419,11 @@ class Sample:
     turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
     advantages: list[float] = field(default_factory=list)
     n_messages: int = 0                                       # messages of the episode this sample covers
+    last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
+
+    def truncate(self, n: int):
+        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx"):
+            del getattr(self, key)[n:]
 
     def append(self, ids, mask: int, logprobs=None, turn: int = -1):
         self.input_ids += ids
@@ -528,7 +547,8 @@ class MultiTurnToolEnv:
                 return {i for i in raw if i > last_query}
         return set()
 
-    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None) -> str:
+    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None,
+               keep: set[int] | None = None) -> str:
         """The chat template's text for the conversation under thinking_retention. Turns kept verbatim
         are rendered by the template as placeholders, then replaced by their sampled text.
         Compaction (every N turns) strips the thinking of the turns before the last multiple of N,
@@ -539,7 +559,8 @@ class MultiTurnToolEnv:
         msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
         final = set() if add_generation_prompt else {len(messages) - 1}
-        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in self.verbatim_turns(messages, raw) - compacted - final}
+        keep = self.verbatim_turns(messages, raw) if keep is None else keep
+        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in keep - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
         text = self.template(msgs, add_generation_prompt)
@@ -552,9 +573,10 @@ class MultiTurnToolEnv:
         """Text the generation prompt adds to the next turn beyond the template's history header for an
         assistant turn (Qwen3's `<think>\n\n</think>\n\n` with enable_thinking=false). It belongs to
         that turn: kept verbatim with it under tool_cycle/all."""
-        base = self.render(messages, raw, False)
+        keep = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
+        base = self.render(messages, raw, False, keep=keep)
         hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
-        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False)
+        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, keep=keep)
         if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
             return ""
         gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
@@ -595,7 +617,14 @@ class MultiTurnToolEnv:
             args = call.get(self.args_key, {})
             if not isinstance(args, dict):
                 raise ValueError(f"'{self.args_key}' must be a JSON object")
-            return str(self.tools[call["name"]](**args))
+            # In a worker thread so a hanging tool costs at most tool_timeout (the thread itself is abandoned).
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            try:
+                return str(pool.submit(self.tools[call["name"]], **args).result(timeout=self.cfg.tool_timeout))
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s") from None
+            finally:
+                pool.shutdown(wait=False)
         except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
             ep.tool_errors += 1
             return f"Error: {type(e).__name__}: {e}"
@@ -612,6 +641,8 @@ class MultiTurnToolEnv:
         calls = [self._json(c) for c in NATIVE_CALL_RE.findall(text)]
         if not calls:
             return {"role": "assistant", "content": text}, []
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return {"role": "assistant", "content": text}, calls   # kept as sampled; call_tool reports the error
         before = text[: text.index("<tool_call>")]
         # templates put one "\n" between content and the first call: that one is theirs, not content
         msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
@@ -630,6 +661,7 @@ class MultiTurnToolEnv:
         """Record one sampled turn, then decide: answer, tool call(s), or end."""
         t = len(ep.turns)
         ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
+        ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
         ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -661,10 +693,13 @@ class MultiTurnToolEnv:
         while active:
             prompts, budgets = [], []
             for ep in active:
+                n_samples, held = len(ep.samples), len(ep.samples[-1].input_ids) if ep.samples else 0
                 prompts.append(self.next_prompt(ep))
                 budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
-            for ep, b in zip(active, budgets):
-                if b < 1:
+                if budgets[-1] < 1:   # no room to sample: undo this prompt, so no sample exceeds max_seq_len
+                    del ep.samples[n_samples:]
+                    if ep.samples:
+                        ep.samples[-1].truncate(held)
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
@@ -681,7 +716,9 @@ class MultiTurnToolEnv:
         return eps
 
     def check_tokenization(self, ep: Episode) -> int:
-        """Compare each sample's text with a fresh full rendering of the messages it covers (I5).
+        """Compare what each sample's sampler saw with a fresh full rendering of the messages the sample
+        covers (I5): the held text up to the sample's last turn must be a prefix of it. (That last turn
+        was never shown to the sampler; if the template renders it differently, the next turn forks.)
         Returns the number of mismatches; raises on one unless it is whitespace-only under
         `ignore_strippable`."""
         mode, found = self.cfg.tokenization_check, 0
@@ -690,7 +727,7 @@ class MultiTurnToolEnv:
         for k, s in enumerate(ep.samples):
             if not s.n_messages:
                 continue
-            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            held = self.tok.decode(s.input_ids[: s.last_prompt_len], skip_special_tokens=False, clean_up_tokenization_spaces=False)
             raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
             fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
             if fresh.startswith(held):
@@ -1100,7 +1137,7 @@ def train(cfg: Config) -> list[dict]:
     rows = load_rows(cfg.dataset)
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)   # safe_dump quotes 'off', so it reloads as a string
 
     if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
         print(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...", flush=True)
@@ -1142,6 +1179,13 @@ def train(cfg: Config) -> list[dict]:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         start = state["step"]
+        for name in ("metrics.jsonl", "episodes.jsonl"):   # steps after the checkpoint will be redone
+            path = os.path.join(cfg.output_dir, name)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    keep = [line for line in f if json.loads(line)["step"] <= start]
+                with open(path, "w") as f:
+                    f.writelines(keep)
         print(f"[mt-grpo] resumed from {ckpt} at step {start}", flush=True)
 
     env = MultiTurnToolEnv(tokenizer, tools, cfg)
@@ -1175,7 +1219,7 @@ def train(cfg: Config) -> list[dict]:
                 for s in ep.samples:
                     s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
         # 4. update
-        samples = [s for ep in episodes for s in ep.samples]
+        samples = [s for ep in episodes for s in ep.samples if any(s.loss_mask)]   # nothing sampled, nothing to train
         t1 = time.time()
         m = train_on_samples(model, ref_model, optimizer, scheduler, samples, cfg, pad_id)
         # 5. log
@@ -1242,7 +1286,7 @@ def main(argv=None):
     try:
         cfg = load_config(recipe, argv[1:] if recipe else argv)
         train(cfg)
-    except ConfigError as e:
+    except (ConfigError, TokenizationMismatch) as e:
         sys.exit(f"mt-grpo: error: {e}")
 
 

@@ -48,6 +48,13 @@ def test_overrides_and_float_strings(tmp_path):
         M.load_config(None, ["max_steps"])
 
 
+def test_yaml_off_and_no_stay_strings_and_string_overrides_stay_verbatim(tmp_path):
+    cfg = M.load_config(write(tmp_path, "tokenization_check: off\nmixed_precision: no\nscale_rewards: false\n"),
+                        ["system_prompt=Answer: briefly", "wandb_project=2025"])
+    assert (cfg.tokenization_check, cfg.mixed_precision, cfg.scale_rewards) == ("off", "no", False)
+    assert cfg.system_prompt == "Answer: briefly" and cfg.wandb_project == "2025"
+
+
 def test_every_field_has_a_default_and_a_docstring():
     docs = M.field_docs()
     for f in dataclasses.fields(M.Config):

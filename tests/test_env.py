@@ -133,3 +133,31 @@ def test_prompt_over_context_budget_ends_episode_without_sampling(tok, tmp_path)
     sampler = ScriptedSampler(tok, ["<answer>a</answer>"])
     [ep] = env.rollout([{"prompt": "a long question that does not fit"}], sampler)
     assert ep.end_reason == "context" and sampler.prompts == [] and ep.turns == []
+
+
+def test_no_room_after_a_tool_result_rolls_the_prompt_back(tok, tmp_path):
+    """The tool result is not left dangling in the sample: no sample exceeds max_seq_len, the check passes."""
+    env = make_env(tok, tmp_path, "tokenization_check=strict")
+    first = env.next_prompt(env.new_episode({"prompt": "What is the value of golf?"}))
+    call = tool_call("golf")
+    env = make_env(tok, tmp_path, "tokenization_check=strict", f"max_seq_len={len(first) + len(char_ids(tok, call)) + 3}")
+    [ep] = env.rollout([{"prompt": "What is the value of golf?"}], ScriptedSampler(tok, [call]))
+    assert ep.end_reason == "context" and ep.tool_calls == 1 and len(ep.samples) == 1
+    s = ep.samples[0]
+    assert len(s.input_ids) <= env.cfg.max_seq_len and s.loss_mask[-1] == 1     # ends with the sampled call
+
+
+def test_a_hanging_tool_is_cut_off_at_tool_timeout(tok, tmp_path):
+    import time
+
+    def slow(key: str) -> str:
+        """Never answers in time."""
+        time.sleep(3)
+        return "late"
+    cfg = recipe_cfg(tmp_path, "tool_timeout=0.2", "max_env_steps=1")
+    env = M.MultiTurnToolEnv(tok, [slow], cfg)
+    t0 = time.time()
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "slow", "args": {"key": "a"}}</tool>',
+                                                                "<answer>a</answer>"]))
+    assert time.time() - t0 < 2
+    assert ep.tool_errors == 1 and "did not finish within tool_timeout=0.2s" in ep.completion[1]["content"]

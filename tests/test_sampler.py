@@ -22,6 +22,19 @@ def test_logprobs_match_a_teacher_forced_pass_at_the_sampling_temperature(tiny):
             torch.testing.assert_close(c.logprobs, teacher_forced(model, p, c.ids, temp), rtol=0, atol=1e-4)
 
 
+def test_left_padding_with_learned_absolute_positions(tok):
+    """GPT-2 has learned position embeddings, so wrong position ids under left padding change the logits
+    (RoPE models hide such a bug: only relative positions matter to them)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128,
+                                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    s = M.LocalSampler(model, tok)
+    prompts = [[5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    for p, c in zip(prompts, s.generate(prompts, [8, 8], generator=torch.Generator().manual_seed(0))):
+        torch.testing.assert_close(c.logprobs, teacher_forced(model, p, c.ids, 1.0), rtol=0, atol=1e-4)
+
+
 def test_per_prompt_max_tokens_and_length_finish(tiny):
     model, tok = tiny
     s = M.LocalSampler(model, tok)

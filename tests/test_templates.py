@@ -102,22 +102,65 @@ def test_xml_protocol_under_every_template(qwen3, name):
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
-def test_native_tool_calls_keep_i1_to_i3_under_every_template(qwen3, name):
-    """Hermes <tool_call> calls: I1-I3 hold under every template. Templates that render calls in
-    another format (Llama 3.1's JSON) or not at all (SmolLM2's) fork, and the I5 check says so."""
+def test_native_tool_calls_keep_the_invariants_under_every_template(qwen3, name):
+    """Hermes <tool_call> calls: no invariant breaks under any template. Templates that render calls
+    in another format (Llama 3.1's JSON) or not at all (SmolLM2's) re-render the turn: the sample forks."""
     r = M.check_template(with_template(qwen3, name), "template", "native")
-    assert not [v for v in r["violations"] if "I5" not in v]
-    if name in ("qwen3", "qwen2_5"):
-        assert r["violations"] == []
-    else:
-        assert r["violations"] and all("differs from a fresh rendering" in v for v in r["violations"])
-    # Hermes <tool_call> is the Qwen templates' own format: a tool-only cycle stays one sample
-    if name == "qwen3":
+    assert r["violations"] == []
+    if name == "qwen3":      # Hermes <tool_call> is the Qwen templates' own format: a tool cycle stays one sample
         assert kinds(r["settings"]["thinking"])[:2] == [("tool", True), ("tool", True)]
     if name == "qwen2_5":
         assert r["settings"]["no_thinking"]["samples_per_episode"] == 1
-    if name == "llama3_1":   # re-renders calls as its own JSON, so the sample forks after each call
+    if name in ("llama3_1", "smollm2"):
         assert not r["settings"]["no_thinking"]["boundaries"][0]["extends"]
+
+
+def test_tool_cycle_keeps_the_forced_empty_think_block_of_qwen3_without_thinking(qwen3):
+    r = M.check_template(qwen3, "tool_cycle", "native")["settings"]["no_thinking"]
+    assert kinds(r) == [("tool", True), ("tool", True), ("user", False), ("tool", True)] and r["violations"] == []
+
+
+def native_env(qwen3, **kw):
+    return M.MultiTurnToolEnv(qwen3, [M._sim_search], M.Config(system_prompt="", tool_format="native", max_env_steps=10,
+                                                               tokenization_check="strict", **kw))
+
+
+class Turns(ScriptedSampler):
+    """Each call returns the next scripted list of ids."""
+    def generate(self, prompts, max_tokens, *a, **k):
+        out = []
+        for p in prompts:
+            self.prompts.append(p)
+            ids = self.script[len(self.sent)]
+            self.sent.append(ids)
+            out.append(M.Completion(ids, [-0.5] * len(ids), "stop"))
+        return out
+
+
+@pytest.mark.parametrize("call", ['{"name": "_sim_search", "arguments": {"query": "x"', '["_sim_search"]',
+                                  '{"arguments": {"query": "x"}, "name": "_sim_search"}'])
+def test_native_calls_that_do_not_round_trip_are_errors_or_forks_never_a_crash(qwen3, call):
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    sampler = Turns(qwen3, [enc(f"<think>\nx\n</think>\n\n<tool_call>\n{call}\n</tool_call>"),
+                            enc("<think>\ny\n</think>\n\nDone.")])
+    [ep] = native_env(qwen3).rollout([{"prompt": "q"}], sampler)
+    assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tokenization_mismatches == 0
+    trained = [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m]
+    assert trained == sampler.sent[0] + sampler.sent[1]
+    if call.startswith('{"arguments"'):   # valid but non-canonical key order: run, then re-rendered canonically
+        assert ep.tool_errors == 0 and ep.forks == 1
+    else:
+        assert ep.tool_errors == 1 and ep.messages[-2]["content"].startswith("Error:")
+
+
+def test_a_second_eos_token_ends_the_turn_without_a_mismatch(qwen3):
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
+    other_eos = qwen3.convert_tokens_to_ids("<|endoftext|>")
+    sampler = Turns(qwen3, [enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>') + [other_eos],
+                            enc("<think>\ny\n</think>\n\nDone.") + [other_eos]])
+    [ep] = native_env(qwen3).rollout([{"prompt": "q"}], sampler)
+    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.tokenization_mismatches == 0
+    assert [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
 
 
 def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
@@ -159,22 +202,23 @@ def test_native_tool_schema_from_signature_and_docstring(qwen3):
 
 
 def test_tokenization_check_modes(tok, tmp_path):
-    """A template that trims message content renders a sampled trailing newline differently:
-    counted and let through under ignore_strippable, an error under strict."""
+    """A template that renders a user message with a trailing space once an assistant reply follows it
+    rewrites what the sampler saw (whitespace only): counted and let through under ignore_strippable,
+    an error with a diff under strict, not looked at under off."""
     from conftest import recipe_cfg
-    trim = tok.chat_template.replace("m['content']", "m['content'] | trim")
     old = tok.chat_template
-    tok.chat_template = trim
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                         "{% if m['role'] == 'user' and not loop.last %} {% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     try:
-        for mode in ("ignore_strippable", "strict"):
-            cfg = recipe_cfg(tmp_path, f"tokenization_check={mode}")
-            env = M.MultiTurnToolEnv(tok, [], cfg)
-            if mode == "strict":
-                with pytest.raises(M.TokenizationMismatch, match="differs from a fresh rendering"):
-                    env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>\n"]))
+        for mode, found in (("ignore_strippable", 1), ("off", 0), ("strict", None)):
+            env = M.MultiTurnToolEnv(tok, [], recipe_cfg(tmp_path, f"tokenization_check={mode}"))
+            if found is None:
+                with pytest.raises(M.TokenizationMismatch, match="differs from a fresh rendering(.|\\n)*trained :(.|\\n)*template:"):
+                    env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
             else:
-                [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>\n"]))
-                assert ep.tokenization_mismatches == 1
+                [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
+                assert ep.tokenization_mismatches == found
     finally:
         tok.chat_template = old
 

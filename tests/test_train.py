@@ -84,6 +84,10 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
     assert any(not torch.equal(a[k], two[k]) for k in a)      # step 3 changed the weights ...
     for k in a:                                                # ... identically in both runs
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    # resuming into the same folder redoes step 3: its log lines are replaced, not duplicated
+    M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"))
+    steps = [json.loads(line)["step"] for line in open(f"{tmp_path}/full/metrics.jsonl")]
+    assert steps == [1, 2, 3]
     # auto: picks the newest complete checkpoint of output_dir; a finished run has nothing left to do
     auto = M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=4", "resume_from_checkpoint=auto"))
     assert [h["step"] for h in auto] == [4]
