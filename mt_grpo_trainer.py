@@ -452,7 +452,6 @@ class Episode:
     adv_after: float = 0.0
     raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
     forced: str = ""                                        # text the generation prompt forced on the next turn
-    last_assistant: int = -1                                # index of the latest assistant message
     boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
     thinking_tokens_kept: int = 0                           # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
@@ -590,7 +589,7 @@ class MultiTurnToolEnv:
         if ep.samples:
             s = ep.samples[-1]
             held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[ep.last_assistant + 1:]) else "tool"
+            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[max(ep.raw, default=-1) + 1:]) else "tool"
             extends = text.startswith(held)
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends})
             if extends:
@@ -666,7 +665,6 @@ class MultiTurnToolEnv:
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         msg, calls = self.parse(text)
-        ep.last_assistant = len(ep.messages)
         ep.raw[len(ep.messages)] = ep.forced + text
         ep.messages.append(msg)
         ep.samples[-1].n_messages = len(ep.messages)
