@@ -7,16 +7,28 @@ tokens written *before the first tool result* their own turn-level advantage:
     A(token) = A_outcome                      after it                      (paper Eq. 5)
 
 so the query that found the answer is credited for finding it, not only for the final answer.
-
 One training step, as `train()` runs it: rollout -> reward -> advantage -> update -> sync -> log -> save.
-- rollout: every episode talks to the sampler turn by turn; the tokens we train are exactly the
-  token ids the sampler returned, never decoded and re-encoded (DESIGN I1-I3). A sample grows
-  while each new prompt extends it and forks when the chat template rewrites history (I4).
-- reward: turn-level and outcome-level reward functions, loaded by path from the recipe.
-- advantage: group-normalised per reward level, split per token at the first tool result.
-- update: token-level PPO-clip, optional KL to a frozen reference, gradient accumulation;
-  under torchrun (DDP or FSDP2) each rank trains on its own whole groups.
-- sync: with a vLLM server, the new weights go to it (safetensors + reload_weights, or NCCL).
+
+The invariants (each has tests; comments below cite them as I1-I6):
+  I1 token faithfulness. Every token with loss_mask 1 is a token the sampler sampled, at the position
+     where it was sampled, after exactly the context the sampler saw. Sampled text is never decoded
+     and re-encoded for training.
+  I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages
+     have the same length.
+  I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0.
+  I4 extension. A sample grows only while each new prompt starts with everything the sample holds.
+     When it does not (the template rewrote history, or thinking was compacted), the sample closes and
+     a new one starts from exactly what the sampler sees next: a counted fork. Merged turns cost O(T).
+  I5 template faithfulness. What the sampler sees is the chat template's rendering of the conversation
+     under `thinking_retention`; a tokenization check against a fresh full rendering reports any drift.
+  I6 no silent junk. A failed request, a bad tool call, a tool error or timeout, or a truncated turn
+     never becomes invented training tokens. Each is a counted outcome: an error result the model
+     sees, a masked or dropped sample, a retried request, or an error that stops the run.
+
+Reading order: config, data types, the method as pure functions (rewards, advantages, loss), tool
+formats, the environment, the train step, the training loop, the CLI. Then an appendix of plumbing
+that a reader does not need in order to change the method: run set-up, logging, the samplers (the
+in-process one and the vLLM server client), distributed helpers, checkpoints, plug-in loading.
 
 Run:
     bash run.sh                                              # embedded CPU default (toy task)
@@ -67,7 +79,7 @@ import torch.nn.functional as F
 import yaml
 
 # ======================================================================================
-# Config
+# 1. Config
 # ======================================================================================
 
 XML_SYSTEM_PROMPT = (
@@ -98,7 +110,7 @@ class Config:
     outcome_reward_weights: list[float] = field(default_factory=list)
     """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
     tool_format: str = "xml"
-    """xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
+    """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
     thinking_retention: str = "template"
     """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep every past thinking block)."""
     thinking_compaction_turns: int = 0
@@ -128,7 +140,7 @@ class Config:
     """Nucleus sampling threshold (1.0 = off)."""
     # --- advantages
     advantage_mode: str = "mt_grpo"
-    """mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
+    """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
     turn_advantage_coef: float = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
@@ -141,7 +153,7 @@ class Config:
     beta: float = 0.0
     """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
     loss_aggregation: str = "token_mean"
-    """token_mean: mean over every trained token in the batch | sequence_mean: mean of per-sample means."""
+    """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean of per-sample means)."""
     mask_truncated_completions: bool = False
     """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group)."""
     num_iterations: int = 1
@@ -220,13 +232,14 @@ class Config:
     """'' (fresh run) | auto (latest checkpoint in output_dir, if any) | PATH to a checkpoint folder."""
 
 
-CHOICES = {"advantage_mode": ("mt_grpo", "grpo_outcome", "grpo_merged"),
-           "loss_aggregation": ("token_mean", "sequence_mean"),
-           "lr_scheduler": ("constant", "linear", "cosine"),
-           "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb"), "tool_format": ("xml", "native"),
-           "weight_sync": ("filesystem", "nccl"),
-           "thinking_retention": ("template", "tool_cycle", "all"),
-           "tokenization_check": ("strict", "ignore_strippable", "off")}
+def choices() -> dict[str, tuple]:
+    """The values each variant key accepts. The registries (ADVANTAGE_MODES, LOSS_AGGREGATIONS,
+    TOOL_FORMATS) are the only source, so a mode registered from outside this file is a valid key too."""
+    return {"advantage_mode": tuple(ADVANTAGE_MODES), "loss_aggregation": tuple(LOSS_AGGREGATIONS),
+            "tool_format": tuple(TOOL_FORMATS), "lr_scheduler": ("constant", "linear", "cosine"),
+            "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb"),
+            "weight_sync": ("filesystem", "nccl"), "thinking_retention": ("template", "tool_cycle", "all"),
+            "tokenization_check": ("strict", "ignore_strippable", "off")}
 
 
 class ConfigError(ValueError):
@@ -296,7 +309,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raw = yaml.load(f, Loader=RecipeLoader) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
-    hints = typing.get_type_hints(Config)
+    hints, allowed = typing.get_type_hints(Config), choices()
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
@@ -310,8 +323,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
             raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
         values[k] = _coerce(k, v, hints[k])
-        if k in CHOICES and values[k] not in CHOICES[k]:
-            raise ConfigError(f"config key '{k}' must be one of {', '.join(CHOICES[k])}, got {v!r}")
+        if k in allowed and values[k] not in allowed[k]:
+            raise ConfigError(f"config key '{k}' must be one of {', '.join(allowed[k])}, got {v!r}")
     cfg = Config(**values)
     for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
         w = getattr(cfg, weights)
@@ -327,130 +340,1138 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 # ======================================================================================
-# Utilities
-# ======================================================================================
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this is one
-    process (FSDP2 then still gets a 1-rank process group, which it needs)."""
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ and not cfg.fsdp:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if cfg.prompts_per_step % world:
-        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {world} training ranks "
-                          "(each rank gets whole GRPO groups)")
-    if cuda:
-        torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        import datetime
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
-    return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def all_sum(*xs: float) -> list[float]:
-    """Sum numbers over ranks (identity in one process)."""
-    if not dist.is_initialized():
-        return list(xs)
-    t = torch.tensor(xs, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-class DaemonPool:
-    """Worker threads for tool calls and server requests. They are daemons: a call that never returns
-    is abandoned with its worker (run_tools adds a fresh one), and none can keep the process from
-    exiting after an error."""
-
-    def __init__(self, size: int):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(size):
-            self.add_worker()
-
-    def add_worker(self):
-        threading.Thread(target=self.work, daemon=True, name="tool").start()
-
-    def work(self):
-        while True:
-            fn, kwargs, fut = self.jobs.get()
-            try:
-                fut.set_result(fn(**kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
-    def submit(self, fn, **kwargs) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.jobs.put((fn, kwargs, fut))
-        return fut
-
-
-def load_object(spec: str, what: str = "object"):
-    """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
-    if ":" not in spec:
-        raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
-    path, name = spec.rsplit(":", 1)
-    for base in ("", os.path.dirname(os.path.abspath(__file__))):
-        full = os.path.join(base, path)
-        if os.path.isfile(full):
-            break
-    else:
-        raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
-    mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
-    module = sys.modules.get(mod_name)
-    if module is None:
-        spec_ = importlib.util.spec_from_file_location(mod_name, full)
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[mod_name] = module
-        spec_.loader.exec_module(module)
-    if not hasattr(module, name):
-        raise ConfigError(f"{what} '{name}' not found in {path}")
-    return getattr(module, name)
-
-
-def load_rows(spec: str) -> list[dict]:
-    if spec.endswith(".jsonl"):
-        if not os.path.isfile(spec):
-            raise ConfigError(f"dataset file not found: {spec}")
-        with open(spec) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        rows = list(load_object(spec, "dataset function")())
-    if not rows or any("prompt" not in r for r in rows):
-        raise ConfigError(f"dataset '{spec}' is empty or has rows without a 'prompt' column")
-    return rows
-
-
-def autocast(cfg: Config, device: torch.device):
-    use = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"
-                                             and torch.cuda.is_bf16_supported())
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
-
-
-# ======================================================================================
-# Samplers: token ids in, sampled token ids + logprobs + finish reason out
+# 2. Data types: what a rollout produces and the loss consumes
 # ======================================================================================
 
 @dataclass
 class Completion:
+    """One sampler reply."""
     ids: list[int]            # sampled token ids, verbatim (EOS / stop-completing token included)
     logprobs: list[float]     # log-probability of each sampled id under the sampling distribution
     finish_reason: str        # "stop" (EOS or a stop string) | "length" (max_tokens reached)
 
+
+@dataclass
+class Turn:
+    """One assistant turn of an episode."""
+    prompt_len: int           # tokens the sampler saw before this turn
+    ids: list[int]            # sampled ids, verbatim
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class Sample:
+    """One training sequence. All per-token lists have the same length (I2)."""
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)        # 1 = sampled by the policy (I1, I3)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
+    advantages: list[float] = field(default_factory=list)
+    n_messages: int = 0                                       # messages of the episode this sample covers
+    last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
+
+    def truncate(self, n: int):
+        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx"):
+            del getattr(self, key)[n:]
+
+    def append(self, ids, mask: int, logprobs=None, turn: int = -1):
+        self.input_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.turn_idx += [turn] * len(ids)
+
+
+@dataclass
+class Episode:
+    """One conversation: its messages (what the rewards see) and its samples (what the loss sees)."""
+    row: dict
+    messages: list[dict]                                    # prompt messages, then the conversation
+    n_prompt_messages: int
+    turns: list[Turn] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    done: bool = False
+    end_reason: str = ""                                    # answer | no_action | empty | max_env_steps | truncated | context
+    tool_calls: int = 0
+    tool_errors: int = 0
+    first_result_turn: int | None = None                    # first assistant turn after a tool result
+    forks: int = 0
+    rewards: dict[str, float] = field(default_factory=dict)
+    turn_reward: float = 0.0
+    outcome_reward: float = 0.0
+    adv_before: float = 0.0
+    adv_after: float = 0.0
+    raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
+    forced: str = ""                                        # text the generation prompt forced on the next turn
+    boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
+    thinking_tokens_kept: int = 0                           # <think> tokens in the prompts the sampler saw
+    tokenization_mismatches: int = 0
+
+    @property
+    def completion(self) -> list[dict]:
+        return self.messages[self.n_prompt_messages:]
+
+
+def new_episode(row: dict, system_prompt: str) -> Episode:
+    """An episode holding only its prompt: the system prompt (if any), then the row's prompt."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    prompt = row["prompt"]
+    msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
+
+
+# ======================================================================================
+# 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss
+# ======================================================================================
+
+# --- rewards ----------------------------------------------------------------------------
+
+class RewardError(ConfigError):
+    """A reward function raised, or returned the wrong length or a non-number: the run stops (I6)."""
+
+
+def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
+    completions = [ep.completion for ep in episodes]
+    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
+    total = [0.0] * len(episodes)
+    for fn, w in zip(funcs, weights):
+        name = getattr(fn, "__name__", str(fn))
+        where = f"reward function '{name}' ({inspect.getsourcefile(fn)})"
+        try:
+            vals = fn(completions, **columns)
+        except Exception as e:
+            raise RewardError(f"{where} raised {type(e).__name__}: {e}  (dataset columns: {', '.join(columns)})") from e
+        if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
+            raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
+        for i, (ep, v) in enumerate(zip(episodes, vals)):
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise RewardError(f"{where} returned {v!r:.100} for episode {i}, not a number") from None
+            if not math.isfinite(v):
+                raise RewardError(f"{where} returned {v} for episode {i}")
+            ep.rewards[name] = v
+            total[i] += w * v
+    return total
+
+
+def check_rewards(rows: list[dict], funcs: list, system_prompt: str):
+    """Before any model work: score two dummy episodes on the first dataset rows, so a reward that
+    raises, needs a column the dataset lacks, or returns junk fails in seconds, not at step 1."""
+    eps = [new_episode(r, system_prompt) for r in rows[:2]]
+    for ep in eps:
+        ep.messages.append({"role": "assistant", "content": "<reasoning>.</reasoning>\n<answer>.</answer>"})
+    score(eps, funcs, [1.0] * len(funcs))
+
+
+# --- advantages: one group's rewards -> per-episode advantages (before, after) the first tool result
+
+def group_normalize(rewards, scale: bool = True) -> np.ndarray:
+    """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
+    such as 0.1 + 0.25 vs 0.35 (spread ~1e-8) would otherwise become a full +-1 advantage."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.max() - r.min() <= 1e-6 * max(1.0, float(np.abs(r).max())):
+        return np.zeros_like(r)
+    centred = r - r.mean()
+    return centred / (r.std(ddof=1) + 1e-4) if scale else centred
+
+
+def mt_grpo_advantages(turn_R, outcome_R, coef: float, scale: bool):
+    """MT-GRPO (paper Eq. 5): before = A_O + coef * A_T, after = A_O."""
+    a_o = group_normalize(outcome_R, scale)
+    return a_o + coef * group_normalize(turn_R, scale), a_o
+
+
+def grpo_outcome_advantages(turn_R, outcome_R, coef: float, scale: bool):
+    """GRPO-OR: the outcome reward only, on every token."""
+    a = group_normalize(outcome_R, scale)
+    return a, a
+
+
+def grpo_merged_advantages(turn_R, outcome_R, coef: float, scale: bool):
+    """GRPO-MR: turn and outcome rewards merged into one scalar, on every token."""
+    a = group_normalize(np.add(turn_R, outcome_R), scale)
+    return a, a
+
+
+# advantage_mode -> fn(turn_R, outcome_R, coef, scale) -> (before, after), one value per episode of a group.
+# A new mode is one function and one entry here (also from outside: M.ADVANTAGE_MODES["mine"] = fn).
+ADVANTAGE_MODES = {"mt_grpo": mt_grpo_advantages, "grpo_outcome": grpo_outcome_advantages,
+                   "grpo_merged": grpo_merged_advantages}
+
+
+def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = True):
+    """One group's rewards -> per-episode advantages (before, after) the first tool result."""
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown advantage_mode {mode!r}; known: {', '.join(ADVANTAGE_MODES)}")
+    return ADVANTAGE_MODES[mode](turn_R, outcome_R, coef, scale)
+
+
+def token_advantages(turn_idx, loss_mask, before: float, after: float, split_turn) -> list[float]:
+    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn
+    after a tool result; None = no tool result, so every turn is 'before'), `after` on later ones,
+    0 on tokens that are not trained."""
+    split = math.inf if split_turn is None else split_turn
+    return [float(m) * (before if t < split else after) for t, m in zip(turn_idx, loss_mask)]
+
+
+def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: list[float], cfg: Config):
+    """The heart of the method: per GRPO group (num_generations consecutive episodes), then per token.
+    Writes each episode's rewards and its two advantages, and every sample's per-token advantages."""
+    G = cfg.num_generations
+    for g in range(0, len(episodes), G):
+        before, after = episode_advantages(turn_R[g:g + G], outcome_R[g:g + G], cfg.advantage_mode,
+                                           cfg.turn_advantage_coef, cfg.scale_rewards)
+        for ep, tr, orr, b, a in zip(episodes[g:g + G], turn_R[g:g + G], outcome_R[g:g + G], before, after):
+            ep.turn_reward, ep.outcome_reward, ep.adv_before, ep.adv_after = tr, orr, float(b), float(a)
+            for s in ep.samples:
+                s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
+
+
+# --- which samples train --------------------------------------------------------------------
+
+def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
+    """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6).
+    A sample with nothing sampled has nothing to train; with mask_truncated_completions, neither has
+    an episode cut by max_tokens or the context budget."""
+    samples = [s for ep in episodes for s in ep.samples if any(s.loss_mask)
+               and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
+    finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
+    return finite, len(samples) - len(finite)
+
+
+# --- loss -------------------------------------------------------------------------------------
+
+def token_mean(per_token, mask, num_tokens: int, num_seqs: int):
+    """Mean over every trained token of the batch (each token weighs the same, as in DAPO)."""
+    return (per_token * mask).sum() / max(num_tokens, 1)
+
+
+def sequence_mean(per_token, mask, num_tokens: int, num_seqs: int):
+    """Mean of per-sample means (each sample weighs the same, as in the original GRPO)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1)
+
+
+# loss_aggregation -> fn(per_token [B, T], mask [B, T], batch's trained tokens, batch's samples) -> scalar.
+LOSS_AGGREGATIONS = {"token_mean": token_mean, "sequence_mean": sequence_mean}
+
+
+def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float, aggregation: str,
+              num_tokens: int, num_seqs: int, beta: float = 0.0, ref_logp=None, is_weight=None):
+    """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch:
+
+        loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
+        r_t = exp(logp_t - old_t),  w_t = min(exp(old_t - sampler_t), is_ratio_cap)  (detached)
+
+    `old` is the trainer's own logprob before this batch's first update (the proximal policy); `w_t`
+    corrects for the sampler being a slightly different policy (bf16 on vLLM, other kernels). The
+    sampler's logprobs are those of the distribution it sampled from, top-p nucleus included, while
+    the trainer scores the full distribution at the same temperature: with top_p < 1, w_t also
+    carries that difference, by design (the nucleus is part of the behaviour policy).
+    The denominators (`num_tokens`, `num_seqs`) are those of the whole batch, so summing the losses
+    of micro-batches gives the gradient of the whole batch at once (gradient accumulation).
+    """
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1                      # k3 estimator of KL(pi || ref), >= 0
+        per_token = per_token + beta * kl
+    mask = mask.to(logp.dtype)
+    loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, num_tokens, num_seqs)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {"clip_frac": (((ratio - clipped).abs() > 1e-8).to(mask.dtype) * mask).sum() / n,
+                 "kl": (kl * mask).sum() / n, "ratio": (ratio * mask).sum() / n}
+    return loss, stats
+
+
+# ======================================================================================
+# 4. Tool formats: how a call is written, parsed, and answered
+# ======================================================================================
+
+TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)                   # xml: <tool>{"name", "args"}</tool>
+NATIVE_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # native (Qwen/Hermes): {"name", "arguments"}
+ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.S)
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
+
+
+def parse_json(payload: str):
+    """The JSON value, or the JSONDecodeError itself (run_tools reports it to the model)."""
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError as e:
+        return e
+
+
+class XMLTools:
+    """The paper's protocol: <reasoning>, then <tool>{"name", "args"}</tool> or <answer>...</answer>.
+    Generation stops at </tool> or </answer>; a result comes back as a user message <result>...</result>."""
+    args_key, stop, eos_ends_turn = "args", ("</tool>", "</answer>"), False
+
+    def __init__(self, tools):
+        self.schemas = None   # the tools are described in the system prompt instead
+
+    def parse(self, text: str) -> tuple[dict, list]:
+        """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
+        hit = TOOL_RE.search(text)
+        return {"role": "assistant", "content": text}, [parse_json(hit.group(1))] if hit else []
+
+    def result(self, text: str) -> dict:
+        return {"role": "user", "content": f"<result>\n{text}\n</result>"}
+
+    def is_answer(self, text: str) -> bool:
+        return bool(ANSWER_RE.search(text))
+
+    def call_text(self, name: str, args: dict) -> str:
+        return "<tool>" + json.dumps({"name": name, "args": args}) + "</tool>"
+
+    def answer_text(self, answer: str) -> str:
+        return f"<answer>{answer}</answer>"
+
+
+class NativeTools:
+    """The chat template's own tool calling: tools go to it as JSON schemas, calls are parsed from
+    <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes) and results come back as role 'tool'.
+    Generation stops at EOS; a turn without a call is the answer."""
+    args_key, stop, eos_ends_turn = "arguments", (), True
+
+    def __init__(self, tools):
+        self.schemas = [tool_schema(f) for f in tools] if tools else None
+
+    def parse(self, text: str) -> tuple[dict, list]:
+        calls = [parse_json(c) for c in NATIVE_CALL_RE.findall(text)]
+        if not calls:
+            return {"role": "assistant", "content": text}, []
+        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return {"role": "assistant", "content": text}, calls   # kept as sampled; run_tools reports the error
+        before = text[: text.index("<tool_call>")]
+        # templates put one "\n" between content and the first call: that one is theirs, not content
+        msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
+               "tool_calls": [{"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
+                              for c in calls if isinstance(c, dict)]}
+        return msg, calls
+
+    def result(self, text: str) -> dict:
+        return {"role": "tool", "content": text}
+
+    def is_answer(self, text: str) -> bool:
+        return True
+
+    def call_text(self, name: str, args: dict) -> str:
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+    def answer_text(self, answer: str) -> str:
+        return answer
+
+
+# tool_format -> a class with: schemas, stop, args_key, eos_ends_turn, parse, result, is_answer,
+# call_text, answer_text. A new format is one small class and one entry here.
+TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
+
+
+def describe_tool(fn) -> str:
+    doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+    return f"- {fn.__name__}{inspect.signature(fn)}: {doc}"
+
+
+def tool_schema(fn) -> dict:
+    """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
+    doc = inspect.getdoc(fn) or ""
+    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
+    hints = typing.get_type_hints(fn)
+    json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+    props, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        t = hints.get(name, str)
+        props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
+        if name in arg_docs:
+            props[name]["description"] = arg_docs[name].strip()
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " "),
+                                             "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+def system_prompt_for(cfg: Config, tools: list) -> str:
+    return cfg.system_prompt.replace("{tools}", "\n".join(describe_tool(f) for f in tools))
+
+
+def is_env_reply(m: dict) -> bool:
+    """A tool result (native role 'tool', or the XML protocol's <result> user message), not a user query."""
+    return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
+
+
+# ======================================================================================
+# 5. The environment: rollouts, tool calls, and the token buffers that become samples
+# ======================================================================================
+
+class TokenizationMismatch(RuntimeError):
+    pass
+
+
+class MultiTurnToolEnv:
+    """Rollouts with tools, and the token buffers that become training samples (I1-I5).
+
+    An episode's current sample holds exactly what the sampler saw plus what it sampled. Each next
+    prompt is `render()` of the conversation: the chat template under `thinking_retention`. If that
+    text starts with the text the sample holds, only the new suffix is tokenized and appended with
+    mask 0, so sampled ids stay verbatim even where the tokenizer would encode their text otherwise.
+    If not (the template rewrote history), the sample closes and a new one starts (I4).
+    """
+
+    def __init__(self, tokenizer, tools, cfg: Config):
+        self.tok, self.cfg = tokenizer, cfg
+        self.tools = {fn.__name__: fn for fn in tools}
+        self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
+        self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
+        self.system_prompt = system_prompt_for(cfg, list(self.tools.values()))
+        self._pool = None
+
+    @property
+    def pool(self) -> DaemonPool:
+        self._pool = self._pool or DaemonPool(32)
+        return self._pool
+
+    def new_episode(self, row: dict) -> Episode:
+        return new_episode(row, self.system_prompt)
+
+    # --- rendering (I5) ---------------------------------------------------------------------
+
+    def template(self, messages, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
+
+    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
+        """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
+        template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
+        last user query, once a tool result is in it); all: every one."""
+        mode = self.cfg.thinking_retention
+        if mode == "all":
+            return set(raw)
+        if mode == "tool_cycle":
+            last_query = max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_env_reply(m)), default=-1)
+            if any(is_env_reply(m) for m in messages[last_query + 1:]):
+                return {i for i in raw if i > last_query}
+        return set()
+
+    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None,
+               keep: set[int] | None = None) -> str:
+        """The chat template's text for the conversation under thinking_retention. Turns kept verbatim
+        are rendered by the template as placeholders, then replaced by their sampled text.
+        Compaction (every N turns) strips the thinking of the turns before the last multiple of N,
+        counted at the prompt of turn `n_turns` (default: the next turn)."""
+        n = self.cfg.thinking_compaction_turns
+        cut = (len(raw) if n_turns is None else n_turns) // n * n if n else 0
+        compacted = set(sorted(raw)[:cut])
+        msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
+        # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
+        final = set() if add_generation_prompt else {len(messages) - 1}
+        keep = self.verbatim_turns(messages, raw) if keep is None else keep
+        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in keep - compacted - final}
+        for i, h in holes.items():
+            msgs[i] = {"role": "assistant", "content": h}
+        text = self.template(msgs, add_generation_prompt)
+        for i, h in holes.items():
+            assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
+            text = text.replace(h, raw[i])
+        return text
+
+    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
+        """Text the generation prompt adds to the next turn beyond the template's history header for an
+        assistant turn (Qwen3's `<think>\n\n</think>\n\n` with enable_thinking=false). It belongs to
+        that turn: kept verbatim with it under tool_cycle/all."""
+        keep = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
+        base = self.render(messages, raw, False, keep=keep)
+        hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
+        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, keep=keep)
+        if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
+            return ""
+        gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
+        return gen[len(header):] if gen.startswith(header) else ""
+
+    def next_prompt(self, ep: Episode) -> list[int]:
+        """Extend the episode's sample with the environment's tokens, or fork a new one (I4).
+
+        Worked example (ChatML, XML tools; [..] is a run of token ids, m = its loss mask):
+          turn 0 prompt  P0 = "<|im_start|>user\\nq<|im_end|>\\n<|im_start|>assistant\\n"   [P0] m=0
+          turn 0 sample  A0 = '<tool>{"name": "lookup", ...}</tool>'                       [A0] m=1 (ids as sampled)
+          turn 1 render  R1 = P0 + A0 + "<|im_end|>\\n<|im_start|>user\\n<result>..." + "<|im_start|>assistant\\n"
+          R1 starts with the held text P0 + A0: extend. Only the suffix S1 is tokenized.
+                         sample = [P0][A0][S1], and the sampler is given exactly that.
+          turn 1 sample  A1 = "<answer>v</answer>"            sample = [P0][A0][S1][A1]   (one sample: O(T))
+        Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1
+        would not start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1]
+        (a fork, counted in rollout/forks). Comparing text, not ids, means a non-canonical but valid
+        tokenization of A0 never causes a spurious fork.
+        """
+        text = self.render(ep.messages, ep.raw)
+        ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
+        ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
+        if ep.samples:
+            s = ep.samples[-1]
+            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[max(ep.raw, default=-1) + 1:]) else "tool"
+            extends = text.startswith(held)
+            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends})
+            if extends:
+                s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
+                return list(s.input_ids)
+            ep.forks += 1
+        s = Sample()
+        s.append(self.tok.encode(text, add_special_tokens=False), mask=0)
+        ep.samples.append(s)
+        return list(s.input_ids)
+
+    # --- tools ------------------------------------------------------------------------------
+
+    def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
+        """Run one turn's parsed tool calls, all episodes' at once, and append each result to its episode.
+        Every failure (bad JSON, unknown tool, wrong arguments, an exception, no answer within
+        tool_timeout) becomes an error message the model sees as the tool's result, and is counted (I6)."""
+        futures, key = [], self.fmt.args_key
+        for ep, call in pending:
+            ep.tool_calls += 1
+            try:
+                if isinstance(call, Exception):
+                    raise call
+                if not isinstance(call, dict) or "name" not in call:
+                    raise ValueError(f'expected {{"name": ..., "{key}": {{...}}}}')
+                if call["name"] not in self.tools:
+                    raise ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
+                args = call.get(key, {})
+                if not isinstance(args, dict):
+                    raise ValueError(f"'{key}' must be a JSON object")
+                futures.append(self.pool.submit(self.tools[call["name"]], **args))
+            except Exception as e:  # noqa: BLE001
+                futures.append(e)
+        deadline, results = time.monotonic() + self.cfg.tool_timeout, []
+        for (ep, call), fut in zip(pending, futures):
+            try:
+                if isinstance(fut, Exception):
+                    raise fut
+                try:
+                    out = str(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                    cap = self.cfg.tool_output_max_chars
+                    results.append(out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]")
+                except concurrent.futures.TimeoutError:
+                    self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
+                    raise TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s") from None
+            except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
+                ep.tool_errors += 1
+                results.append(f"Error: {type(e).__name__}: {e}")
+        for (ep, _), result in zip(pending, results):
+            ep.messages.append(self.fmt.result(result))
+        return results
+
+    def step(self, ep: Episode, c: Completion) -> list:
+        """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
+        t = len(ep.turns)
+        ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
+        ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
+        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
+        keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
+        text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        msg, calls = self.fmt.parse(text)
+        ep.raw[len(ep.messages)] = ep.forced + text
+        ep.messages.append(msg)
+        ep.samples[-1].n_messages = len(ep.messages)
+        if c.finish_reason == "length":
+            ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
+        elif not text.strip():
+            ep.done, ep.end_reason = True, "empty"              # nothing (or only EOS) was sampled
+        elif not calls:
+            ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
+        elif ep.tool_calls >= self.cfg.max_env_steps:
+            ep.done, ep.end_reason = True, "max_env_steps"
+        else:
+            if ep.first_result_turn is None:
+                ep.first_result_turn = t + 1
+            return calls
+        return []
+
+    # --- rollout and the tokenization sanity check ---------------------------------------------
+
+    def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
+        """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
+        eps = [self.new_episode(r) for r in rows]
+        active = eps
+        while active:
+            prompts, budgets = [], []
+            for ep in active:
+                n_samples, held = len(ep.samples), len(ep.samples[-1].input_ids) if ep.samples else 0
+                prompts.append(self.next_prompt(ep))
+                budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
+                if budgets[-1] < 1:   # no room to sample: undo this prompt, so no sample exceeds max_seq_len
+                    del ep.samples[n_samples:]
+                    if ep.samples:
+                        ep.samples[-1].truncate(held)
+                    ep.done, ep.end_reason = True, "context"
+            live = [i for i, b in enumerate(budgets) if b >= 1]
+            if live:
+                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live],
+                                        0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
+                self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
+            active = [ep for ep in active if not ep.done]
+        for ep in eps:
+            for s in ep.samples:
+                n = len(s.input_ids)
+                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n, "I2: sample lists out of step"
+            ep.tokenization_mismatches = self.check_tokenization(ep)
+        return eps
+
+    def check_tokenization(self, ep: Episode) -> int:
+        """Compare what each sample's sampler saw with a fresh full rendering of the messages the sample
+        covers (I5): the held text up to the sample's last turn must be a prefix of it. (That last turn
+        was never shown to the sampler; if the template renders it differently, the next turn forks.)
+        Returns the number of mismatches; raises on one unless it is whitespace-only under
+        `ignore_strippable`."""
+        mode, found = self.cfg.tokenization_check, 0
+        if mode == "off":
+            return 0
+        for k, s in enumerate(ep.samples):
+            if not s.n_messages:
+                continue
+            held = self.tok.decode(s.input_ids[: s.last_prompt_len], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
+            fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
+            if fresh.startswith(held):
+                continue
+            found += 1
+            if mode == "ignore_strippable" and "".join(fresh.split()).startswith("".join(held.split())):
+                continue
+            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
+            raise TokenizationMismatch(
+                f"sample {k} of an episode differs from a fresh rendering of its {s.n_messages} messages "
+                f"(thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
+                f"  trained : ...{held[max(0, at - 80):at + 80]!r}\n  template: ...{fresh[max(0, at - 80):at + 80]!r}\n"
+                "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
+                "tokenization_check: ignore_strippable (whitespace-only differences) or off.")
+        return found
+
+
+# ======================================================================================
+# 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates
+# ======================================================================================
+
+def token_logprobs(model, ids, attn, temperature: float):
+    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0))
+
+
+def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    T = max(len(s.input_ids) for s in samples)
+    def pad(key, fill, dtype):
+        return torch.tensor([getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device)
+    return {"ids": pad("input_ids", pad_id, torch.long), "mask": pad("loss_mask", 0, torch.long),
+            "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32), "adv": pad("advantages", 0.0, torch.float32),
+            "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device)}
+
+
+def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
+    """With a token budget: longest first, so each micro-batch holds samples of similar length and
+    little padding (length bucketing). Otherwise `micro_batch_size` samples at a time, in order."""
+    if cfg.max_tokens_per_microbatch <= 0:
+        return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+    mbs: list[list[Sample]] = []
+    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
+        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
+            mbs[-1].append(s)
+        else:
+            mbs.append([s])
+    return mbs
+
+
+def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple[list[dict], dict]:
+    """Collated micro-batches with the reference logprobs (beta > 0) and, for num_iterations > 1, the
+    policy's own logprobs before any update of this batch. Under torchrun every rank runs as many
+    micro-batches as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
+    groups = make_microbatches(samples, cfg)
+    real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
+    n_mb = len(groups)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor(n_mb, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n_mb = int(t)
+    filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], advantages=[0.0])
+    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
+    with torch.no_grad(), autocast(cfg, device):
+        for mb in mbs:
+            if cfg.num_iterations > 1:
+                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+            if cfg.beta > 0:
+                mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
+    return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
+
+
+def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
+    """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches.
+
+    Under torchrun each rank holds its own groups' samples. The loss is normalised by the global
+    token and sequence counts and multiplied by the world size, because DDP and FSDP average
+    gradients over ranks: N ranks then give exactly the update one process would on the union."""
+    device = next(model.parameters()).device
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    num_tokens, num_seqs = all_sum(sum(sum(s.loss_mask) for s in samples), len(samples))
+    if num_tokens == 0:
+        return {"loss/skipped_empty_batch": 1.0}
+    mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
+    model.train()
+    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0}
+    for _ in range(cfg.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for j, mb in enumerate(mbs):
+            with gradient_sync(model, j == len(mbs) - 1):   # reduce over ranks once, after the last micro-batch
+                with autocast(cfg, device):
+                    logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+                old = mb.get("old", logp.detach())
+                isw = None
+                if cfg.is_ratio_cap > 0:
+                    isw = torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
+                loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                     aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
+                                     beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
+                (loss * world).backward()
+            w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
+            sums["loss/policy"] += loss.item() / cfg.num_iterations
+            for k in ("clip_frac", "kl", "ratio"):
+                sums[f"loss/{k}"] += st[k].item() * w
+            if isw is not None:
+                sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn   # FSDP2 returns a DTensor
+    return {**dict(zip(sums, all_sum(*sums.values()))), "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0], **info}
+
+
+def lr_lambda(cfg: Config):
+    total = max(1, cfg.max_steps * cfg.num_iterations)
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
+    return f
+
+
+# ======================================================================================
+# 7. The training loop
+# ======================================================================================
+
+def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
+    """P prompts for this step, each repeated G times. Depends only on (seed, step): resumable."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    picked = rng.sample(rows, cfg.prompts_per_step) if len(rows) >= cfg.prompts_per_step else rng.choices(rows, k=cfg.prompts_per_step)
+    return [r for r in picked for _ in range(cfg.num_generations)]
+
+
+def train(cfg: Config, eval_only: bool = False) -> list[dict]:
+    """The whole run. Returns the logged metrics, one dict per step."""
+    run = setup(cfg, eval_only)   # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
+    if eval_only:
+        return run.close([run.evaluate(run.start, record=True)])
+    for step in run.steps:
+        t0 = time.time()
+        # 1. rollout: this rank's whole GRPO groups, every episode turn by turn, all at once
+        episodes = run.env.rollout(run.batch(step), run.sampler, run.generator(step))
+        t_roll = time.time() - t0
+        # 2. reward: a turn-level and an outcome-level scalar per episode
+        turn_R = score(episodes, run.turn_fns, run.turn_w)
+        outcome_R = score(episodes, run.outcome_fns, run.outcome_w)
+        # 3. advantage: normalised within each group, then split per token at the first tool result
+        assign_advantages(episodes, turn_R, outcome_R, cfg)
+        # 4. update: PPO-clip on exactly the sampled tokens (I1)
+        samples, rejected = trainable_samples(episodes, cfg)
+        t1 = time.time()
+        m = train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, cfg, run.pad_id)
+        t_train = time.time() - t1
+        # 5. sync: a vLLM server samples from the new weights from now on
+        if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
+            m["time/weight_sync"] = run.sync(step + 1)
+        # 6. log: every rank's means, averaged on rank 0; evaluate when due
+        m.update({**episode_metrics(episodes), "rollout/rejected_nonfinite": rejected,
+                  "time/rollout": t_roll, "time/train": t_train, "time/step": time.time() - t0})
+        run.logger.log(step + 1, m, episodes, run.evaluate(step + 1) if run.eval_due(step + 1) else {})
+        # 7. save: every save_steps, at the end, and on SIGTERM (every rank stops at the same step)
+        stopping = run.stop_requested()
+        if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+            path = save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
+        if stopping:
+            run.say(f"\n[mt-grpo] SIGTERM: stopped after step {step + 1} and saved {path}; "
+                    "continue with resume_from_checkpoint=auto")
+            break
+    return run.close(run.logger.history)
+
+
+def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], reward_fns: list, step: int) -> dict:
+    """Greedy rollouts over the eval rows (each rank takes its share) and the mean of every reward
+    function; the paper's table columns (tool execution, search-answer, XML format, exact match)
+    are reward functions. Rank 0 prints the table, writes the episodes to eval/step-N.jsonl and
+    returns the `eval/...` metrics."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine, eps = rows[rank::world], []
+    chunk = cfg.prompts_per_step * cfg.num_generations // world
+    for i in range(0, len(mine), chunk):
+        eps += env.rollout(mine[i:i + chunk], sampler, greedy=True)
+    if eps:
+        score(eps, reward_fns, [1.0] * len(reward_fns))
+    records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
+                "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
+               for i, ep in enumerate(eps)]
+    records = [r for part in gather_to_rank0(records) for r in part]
+    if rank != 0:
+        return {}
+    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
+    names = [getattr(fn, "__name__", str(fn)) for fn in reward_fns]
+    m = {f"eval/{n}": float(np.mean([r["rewards"][n] for r in records])) for n in names}
+    m["eval/answered"] = float(np.mean([r["end_reason"] == "answer" for r in records]))
+    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
+    for k, v in m.items():
+        print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
+    return m
+
+
+# ======================================================================================
+# 8. CLI
+# ======================================================================================
+
+def print_help():
+    docs, hints, allowed = field_docs(), typing.get_type_hints(Config), choices()
+    print(__doc__.split("\n\nThe invariants")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
+          "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
+          "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n\nrecipe keys:")
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        one_of = f"; one of {', '.join(allowed[f.name])}" if f.name in allowed else ""
+        print(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}, default {default!r}{one_of})\n"
+              f"      {docs.get(f.name, '')}")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return print_help()
+    if argv[0] == "check-template":   # the template simulator lives beside this file, off the training path
+        sys.exit(load_object("check_template.py:main", "check-template")(argv[1:]))
+    eval_only = argv[0] == "eval"
+    if argv[0] in ("train", "eval"):
+        argv = argv[1:]
+    recipe = argv[0] if argv and not argv[0].count("=") else None
+    try:
+        cfg = load_config(recipe, argv[1:] if recipe else argv)
+        train(cfg, eval_only)
+    except (ConfigError, TokenizationMismatch, SamplerError) as e:
+        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
+        print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
+        exit_now(1)
+    except BaseException:
+        if dist.is_initialized():   # torchrun stops the other ranks once this one exits: never a hang
+            import traceback
+            traceback.print_exc()
+            exit_now(1)
+        raise
+
+
+def exit_now(code: int):
+    """Exit without waiting on collectives or worker threads another rank might never finish."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code) if dist.is_initialized() else sys.exit(code)
+
+
+
+# ######################################################################################
+# APPENDIX: plumbing. Nothing below changes the method; read it when you change how a
+# run is set up, logged, sampled, distributed or saved.
+# ######################################################################################
+
+# ======================================================================================
+# A. Run set-up: everything the loop needs, checked in order of cost
+# ======================================================================================
+
+class Run:
+    """What `train()` uses: the plug-ins, the model and optimizer, the environment, the sampler, the
+    logger, and this process's place in the run (rank, start step, SIGTERM)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
+        self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
+        self.start, self.term, self.previous_handler, self.logger = 0, [], None, None
+
+    def say(self, msg: str):
+        if self.main:
+            print(msg, flush=True)
+
+    def batch(self, step: int) -> list[dict]:
+        per_rank = self.cfg.prompts_per_step * self.cfg.num_generations // self.world
+        return rows_for_step(self.rows, self.cfg, step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def generator(self, step: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + step + 100_003 * self.rank)
+
+    def sync(self, version: int) -> float:
+        """The server samples from the current weights from now on; returns the seconds it took."""
+        t = time.time()
+        sd, _ = full_state(self.model, None, self.cfg.fsdp)
+        if self.main:
+            self.sampler.sync_weights(self.model, sd, version)
+        if dist.is_initialized():
+            dist.barrier()
+        self.sampler.policy_version = version
+        return time.time() - t
+
+    def eval_due(self, step: int) -> bool:
+        return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
+
+    def evaluate(self, step: int, record: bool = False) -> dict:
+        m = evaluate(self.cfg, self.env, self.sampler, self.eval_rows, self.turn_fns + self.outcome_fns, step)
+        if record and self.main:   # the `eval` command keeps a history of its figures
+            with open(os.path.join(self.cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "model": self.src, **m}) + "\n")
+        return m
+
+    def stop_requested(self) -> bool:
+        return all_sum(float(bool(self.term)))[0] > 0   # any rank's SIGTERM stops every rank
+
+    def close(self, history: list[dict]) -> list[dict]:
+        if self.logger:
+            if self.previous_handler is not None:
+                signal.signal(signal.SIGTERM, self.previous_handler)
+            self.steps.close()
+            self.logger.close()
+            if self.cfg.vllm_server_url and self.main:
+                self.sampler.cleanup()
+            if self.main:
+                summarize(self.cfg, history)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return history
+
+
+def setup(cfg: Config, eval_only: bool = False) -> Run:
+    """Plug-ins and rewards first (a bad recipe fails in seconds), then the run folder, the model
+    (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
+    from tqdm import tqdm
+    run = Run(cfg, *init_distributed(cfg))
+    seed_everything(cfg.seed + run.rank)
+    load_plugins(run, eval_only)
+    ckpt = find_checkpoint(cfg)
+    if run.main:
+        prepare_output_dir(cfg, ckpt, eval_only, run.say)
+        build_model_if_missing(cfg, system_prompt_for(cfg, run.tools), run.say)
+    if dist.is_initialized():
+        dist.barrier()   # the model folder exists for every rank
+    run.src = ckpt or cfg.model_name_or_path
+    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(cfg, run.src, run.device)
+    if ckpt:
+        run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.main)
+        run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
+    run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
+    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
+    if cfg.vllm_server_url:
+        run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer))
+        run.say(f"[mt-grpo] sampling from {run.sampler.url} ({run.sampler.model}, max_model_len {run.sampler.max_model_len})")
+        run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)
+    else:
+        run.sampler = LocalSampler(run.model, run.tokenizer)
+    if eval_only:
+        return run
+    run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
+                     dynamic_ncols=True, disable=not run.main)
+    run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
+    if threading.current_thread() is threading.main_thread():   # SIGTERM: finish the step, save, exit cleanly
+        run.previous_handler = signal.signal(signal.SIGTERM, lambda *_: run.term.append(1))
+    return run
+
+
+def load_plugins(run: Run, eval_only: bool):
+    """Tools, reward functions and datasets, loaded and checked before any model work."""
+    cfg = run.cfg
+    run.tools = [load_object(s, "tool") for s in cfg.tools]
+    run.turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
+    run.outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
+    run.turn_w = cfg.turn_reward_weights or [1.0] * len(run.turn_fns)
+    run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
+    run.rows = load_rows(cfg.dataset)
+    run.eval_rows = load_rows(cfg.eval_dataset)[:cfg.eval_max_examples or None] if cfg.eval_dataset else []
+    check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools))
+    if cfg.fsdp and not cfg.vllm_server_url:
+        raise ConfigError("fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
+                          "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
+    if eval_only and not run.eval_rows:
+        raise ConfigError("eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows")
+
+
+def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
+    """Rank 0: a fresh run moves an earlier run in output_dir aside, then saves the resolved config."""
+    if not ckpt and not eval_only and os.path.isfile(os.path.join(cfg.output_dir, "metrics.jsonl")):
+        old = f"{cfg.output_dir.rstrip('/')}.{time.strftime('%Y%m%d-%H%M%S')}"   # a fresh run never mixes with an earlier one
+        os.replace(cfg.output_dir, old)
+        say(f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
+            "(resume_from_checkpoint=auto continues a run instead)")
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)   # safe_dump quotes 'off', so it reloads as a string
+
+
+def build_model_if_missing(cfg: Config, system_prompt: str, say):
+    """Rank 0: run `model_builder` when model_name_or_path does not exist yet, and print its report."""
+    if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
+        say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
+        tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        load_object(cfg.model_builder, "model builder")(tmp, system_prompt=system_prompt)
+        os.replace(tmp, cfg.model_name_or_path)
+    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            rep = json.load(f)
+        ws = rep.get("warmstart")
+        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params" + (
+            f"; supervised warm-start of {ws.get('steps')} steps on {ws.get('demonstrations')} generated "
+            f"demonstrations (final loss {ws.get('final_loss')}, {ws.get('seconds')} s)" if ws else
+            f" ({rep.get('seconds')} s)"))
+
+
+def load_models(cfg: Config, src: str, device: torch.device):
+    """Tokenizer, policy (float32 master weights), the frozen reference when beta > 0, the policy as the
+    loss runs it (DDP or FSDP2), AdamW and its learning-rate schedule."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
+    ref_model = None
+    if cfg.beta > 0:   # replicated on every rank, inference only
+        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+    policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  betas=tuple(cfg.adam_betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+# ======================================================================================
+# B. Logging: metrics.jsonl, wandb, the console line, the episode dump
+# ======================================================================================
+
+def episode_metrics(eps: list[Episode]) -> dict:
+    """This rank's rewards, advantages and rollout statistics for one step."""
+    return {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
+            "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
+            **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
+            "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in eps])),
+            "adv/after_abs": float(np.mean([abs(ep.adv_after) for ep in eps])), **rollout_metrics(eps)}
+
+
+def rollout_metrics(eps: list[Episode]) -> dict:
+    n = len(eps)
+    samples = [s for e in eps for s in e.samples]
+    return {"rollout/turns": sum(len(e.turns) for e in eps) / n, "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
+            "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
+            "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
+            "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
+            "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
+            "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
+            "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
+            # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
+            "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
+            "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
+            "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
+            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n}
+
+
+def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
+    return {"step": step, "episode": i, "group": i // cfg.num_generations, "messages": ep.messages,
+            "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "forks": ep.forks,
+            "boundaries": ep.boundaries, "tokenization_mismatches": ep.tokenization_mismatches,
+            "rewards": ep.rewards, "turn_reward": ep.turn_reward, "outcome_reward": ep.outcome_reward,
+            "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
+            "first_result_turn": ep.first_result_turn,
+            "samples": [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "sampler_logprobs": s.sampler_logprobs,
+                         "advantages": s.advantages, "turn_idx": s.turn_idx} for s in ep.samples]}
+
+
+class MetricsLogger:
+    """One dict per step: every rank's means, averaged on rank 0 (ranks hold equally many episodes;
+    counts are summed), to metrics.jsonl, wandb and one console line; every `log_episodes_steps`
+    steps (and at a run's first step) the step's episodes, with the exact tensors trained, to episodes.jsonl."""
+    COUNTS = ("rollout/tokenization_mismatch", "rollout/rejected_nonfinite")
+
+    def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
+        self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
+        self.wandb = None
+        if cfg.report_to == "wandb" and rank == 0:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=cfg.output_dir, config=dataclasses.asdict(cfg),
+                                    name=os.path.basename(cfg.output_dir.rstrip("/")), resume="allow")
+
+    def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
+        every = self.cfg.log_episodes_steps
+        dump = every and (step % every == 0 or step == self.start + 1)
+        records = [episode_record(step, self.rank * len(episodes) + i, ep, self.cfg) for i, ep in enumerate(episodes)] if dump else []
+        gathered = gather_to_rank0((m, records))
+        if self.rank != 0:
+            return
+        m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in m}}
+        for k in self.COUNTS:
+            m[k] *= self.world
+        m.update(evaluated)
+        self.history.append(m)
+        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.wandb:
+            self.wandb.log(m, step=step)
+        self.write(f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
+                   f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
+                   f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
+                   f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
+        if dump:
+            with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
+                for _, recs in gathered:
+                    f.writelines(json.dumps(r) + "\n" for r in recs)
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+
+
+def summarize(cfg: Config, history: list[dict]):
+    if not history:
+        print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
+        return
+    k = min(10, len(history))
+    first = {key: np.mean([h[key] for h in history[:k]]) for key in ("reward/outcome", "reward/turn", "rollout/tool_calls")}
+    last = {key: np.mean([h[key] for h in history[-k:]]) for key in first}
+    print(f"\n[mt-grpo] before/after ({k}-step means, first vs last of {len(history)} steps):")
+    for key in first:
+        print(f"  {key:<22} {first[key]:.3f} -> {last[key]:.3f}")
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
+    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
+    print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
+
+
+# ======================================================================================
+# C. Samplers: token ids in, sampled token ids + logprobs + finish reason out
+# ======================================================================================
 
 class LocalSampler:
     """In-process sampler on the policy model itself: always on-policy, no weight sync needed.
@@ -526,9 +1547,9 @@ class _Retry(Exception):
 
 
 class VLLMServerClient:
-    """Samples from a separately launched `vllm serve` (vLLM 0.33) over HTTP. The chat template is
-    applied here and prompts go out as token ids, so nothing is re-tokenized on the way
-    (../shared/reference/vllm-protocol.md section 1; the fields are vLLM 0.33's).
+    """Samples from a separately launched `vllm serve` (vLLM 0.32, the version run.sh pins) over HTTP:
+    POST /v1/completions with the prompt as token ids, `return_token_ids`, `logprobs: 0` and
+    `skip_special_tokens: false`. The chat template is applied here, so nothing is re-tokenized (I1).
 
     - `generate` puts every prompt of the batch in flight at once (up to `max_concurrent_requests`);
       identical prompts, as in a group's first turn, become one request with `n` (one prefill).
@@ -695,598 +1716,69 @@ class VLLMServerClient:
                     shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
 
 
-# ======================================================================================
-# MultiTurnToolEnv: rollouts, tool calls, token buffers and completion masks
-# ======================================================================================
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return set(eos) | {tokenizer.eos_token_id}
 
-@dataclass
-class Turn:
-    prompt_len: int           # tokens the sampler saw before this turn
-    ids: list[int]            # sampled ids, verbatim
-    logprobs: list[float]
-    finish_reason: str
-
-
-@dataclass
-class Sample:
-    """One training sequence. All per-token lists have the same length (I2)."""
-    input_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)        # 1 = sampled by the policy (I1, I3)
-    sampler_logprobs: list[float] = field(default_factory=list)
-    turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
-    advantages: list[float] = field(default_factory=list)
-    n_messages: int = 0                                       # messages of the episode this sample covers
-    last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
-
-    def truncate(self, n: int):
-        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx"):
-            del getattr(self, key)[n:]
-
-    def append(self, ids, mask: int, logprobs=None, turn: int = -1):
-        self.input_ids += ids
-        self.loss_mask += [mask] * len(ids)
-        self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        self.turn_idx += [turn] * len(ids)
-
-
-@dataclass
-class Episode:
-    row: dict
-    messages: list[dict]                                    # prompt messages, then the conversation
-    n_prompt_messages: int
-    turns: list[Turn] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
-    done: bool = False
-    end_reason: str = ""                                    # answer | no_action | empty | max_env_steps | truncated | context
-    tool_calls: int = 0
-    tool_errors: int = 0
-    first_result_turn: int | None = None                    # first assistant turn after a tool result
-    forks: int = 0
-    rewards: dict[str, float] = field(default_factory=dict)
-    turn_reward: float = 0.0
-    outcome_reward: float = 0.0
-    adv_before: float = 0.0
-    adv_after: float = 0.0
-    raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
-    forced: str = ""                                        # text the generation prompt forced on the next turn
-    boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
-    thinking_tokens_kept: int = 0                           # <think> tokens in the prompts the sampler saw
-    tokenization_mismatches: int = 0
-
-    @property
-    def completion(self) -> list[dict]:
-        return self.messages[self.n_prompt_messages:]
-
-
-TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)                   # xml: <tool>{"name", "args"}</tool>
-NATIVE_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # native (Qwen/Hermes): {"name", "arguments"}
-ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.S)
-THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
-
-
-def describe_tool(fn) -> str:
-    doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-    return f"- {fn.__name__}{inspect.signature(fn)}: {doc}"
-
-
-def tool_schema(fn) -> dict:
-    """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
-    doc = inspect.getdoc(fn) or ""
-    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
-    hints = typing.get_type_hints(fn)
-    json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
-    props, required = {}, []
-    for name, p in inspect.signature(fn).parameters.items():
-        t = hints.get(name, str)
-        props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
-        if name in arg_docs:
-            props[name]["description"] = arg_docs[name].strip()
-        if p.default is inspect.Parameter.empty:
-            required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " "),
-                                             "parameters": {"type": "object", "properties": props, "required": required}}}
-
-
-def is_env_reply(m: dict) -> bool:
-    """A tool result (native role 'tool', or the XML protocol's <result> user message), not a user query."""
-    return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
-
-
-class MultiTurnToolEnv:
-    """Rollouts with tools, and the token buffers that become training samples.
-
-    Protocols (`tool_format`):
-    - xml (the paper's): <reasoning>, then <tool>{"name", "args"}</tool> or <answer>; generation stops
-      at </tool> or </answer>; a result comes back as a user message <result>...</result>.
-    - native: the chat template's own tool calling; tools are passed to it as JSON schemas, calls are
-      parsed from <tool_call>{"name", "arguments"}</tool_call>, results come back as role 'tool'.
-
-    Token buffers (I1-I5): an episode's current sample holds exactly what the sampler saw plus what
-    it sampled. Each next prompt is `render()` of the conversation: the chat template under
-    `thinking_retention`. If that text starts with the text the sample holds, only the new suffix is
-    tokenized and appended with mask 0, so sampled ids stay verbatim even where the tokenizer would
-    encode their text differently. If not (the template rewrote history, e.g. Qwen3 dropping past
-    <think> blocks at a new user query), the sample is closed and a new one starts from exactly
-    the tokens the sampler is given next.
-    """
-
-    def __init__(self, tokenizer, tools, cfg: Config):
-        self.tok, self.cfg = tokenizer, cfg
-        self.tools = {fn.__name__: fn for fn in tools}
-        self.native = cfg.tool_format == "native"
-        self.schemas = [tool_schema(f) for f in tools] if self.native and tools else None
-        self.stop = () if self.native else ("</tool>", "</answer>")
-        self.system_prompt = cfg.system_prompt.replace("{tools}", "\n".join(describe_tool(f) for f in tools))
-        self._pool = None
-
-    @property
-    def pool(self) -> DaemonPool:
-        self._pool = self._pool or DaemonPool(32)
-        return self._pool
-
-    def new_episode(self, row: dict) -> Episode:
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        prompt = row["prompt"]
-        msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
-
-    # --- rendering (I5) ---------------------------------------------------------------------
-
-    def template(self, messages, add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
-
-    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
-        """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
-        template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
-        last user query, once a tool result is in it); all: every one."""
-        mode = self.cfg.thinking_retention
-        if mode == "all":
-            return set(raw)
-        if mode == "tool_cycle":
-            last_query = max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_env_reply(m)), default=-1)
-            if any(is_env_reply(m) for m in messages[last_query + 1:]):
-                return {i for i in raw if i > last_query}
-        return set()
-
-    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None,
-               keep: set[int] | None = None) -> str:
-        """The chat template's text for the conversation under thinking_retention. Turns kept verbatim
-        are rendered by the template as placeholders, then replaced by their sampled text.
-        Compaction (every N turns) strips the thinking of the turns before the last multiple of N,
-        counted at the prompt of turn `n_turns` (default: the next turn)."""
-        n = self.cfg.thinking_compaction_turns
-        cut = (len(raw) if n_turns is None else n_turns) // n * n if n else 0
-        compacted = set(sorted(raw)[:cut])
-        msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
-        # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
-        final = set() if add_generation_prompt else {len(messages) - 1}
-        keep = self.verbatim_turns(messages, raw) if keep is None else keep
-        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in keep - compacted - final}
-        for i, h in holes.items():
-            msgs[i] = {"role": "assistant", "content": h}
-        text = self.template(msgs, add_generation_prompt)
-        for i, h in holes.items():
-            assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
-            text = text.replace(h, raw[i])
-        return text
-
-    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
-        """Text the generation prompt adds to the next turn beyond the template's history header for an
-        assistant turn (Qwen3's `<think>\n\n</think>\n\n` with enable_thinking=false). It belongs to
-        that turn: kept verbatim with it under tool_cycle/all."""
-        keep = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
-        base = self.render(messages, raw, False, keep=keep)
-        hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
-        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, keep=keep)
-        if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
-            return ""
-        gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
-        return gen[len(header):] if gen.startswith(header) else ""
-
-    def next_prompt(self, ep: Episode) -> list[int]:
-        """Extend the episode's sample with the environment's tokens, or fork a new one (I4)."""
-        text = self.render(ep.messages, ep.raw)
-        ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
-        ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
-        if ep.samples:
-            s = ep.samples[-1]
-            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[max(ep.raw, default=-1) + 1:]) else "tool"
-            extends = text.startswith(held)
-            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends})
-            if extends:
-                s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
-                return list(s.input_ids)
-            ep.forks += 1
-        s = Sample()
-        s.append(self.tok.encode(text, add_special_tokens=False), mask=0)
-        ep.samples.append(s)
-        return list(s.input_ids)
-
-    # --- tools ------------------------------------------------------------------------------
-
-    def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
-        """Run one turn's parsed tool calls, all episodes' at once, and append each result to its episode.
-        Every failure (bad JSON, unknown tool, wrong arguments, an exception, no answer within
-        tool_timeout) becomes an error message the model sees as the tool's result, and is counted (I6)."""
-        futures = []
-        for ep, call in pending:
-            ep.tool_calls += 1
-            try:
-                if isinstance(call, Exception):
-                    raise call
-                if not isinstance(call, dict) or "name" not in call:
-                    raise ValueError(f'expected {{"name": ..., "{self.args_key}": {{...}}}}')
-                if call["name"] not in self.tools:
-                    raise ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
-                args = call.get(self.args_key, {})
-                if not isinstance(args, dict):
-                    raise ValueError(f"'{self.args_key}' must be a JSON object")
-                futures.append(self.pool.submit(self.tools[call["name"]], **args))
-            except Exception as e:  # noqa: BLE001
-                futures.append(e)
-        deadline, results = time.monotonic() + self.cfg.tool_timeout, []
-        for (ep, call), fut in zip(pending, futures):
-            try:
-                if isinstance(fut, Exception):
-                    raise fut
-                try:
-                    out = str(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-                    cap = self.cfg.tool_output_max_chars
-                    results.append(out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]")
-                except concurrent.futures.TimeoutError:
-                    self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
-                    raise TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s") from None
-            except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
-                ep.tool_errors += 1
-                results.append(f"Error: {type(e).__name__}: {e}")
-        for (ep, _), result in zip(pending, results):
-            ep.messages.append({"role": "tool", "content": result} if self.native else
-                               {"role": "user", "content": f"<result>\n{result}\n</result>"})
-        return results
-
-    @property
-    def args_key(self) -> str:
-        return "arguments" if self.native else "args"
-
-    def parse(self, text: str) -> tuple[dict, list]:
-        """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
-        if not self.native:
-            hit = TOOL_RE.search(text)
-            return {"role": "assistant", "content": text}, [self._json(hit.group(1))] if hit else []
-        calls = [self._json(c) for c in NATIVE_CALL_RE.findall(text)]
-        if not calls:
-            return {"role": "assistant", "content": text}, []
-        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return {"role": "assistant", "content": text}, calls   # kept as sampled; run_tools reports the error
-        before = text[: text.index("<tool_call>")]
-        # templates put one "\n" between content and the first call: that one is theirs, not content
-        msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
-               "tool_calls": [{"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-                              for c in calls if isinstance(c, dict)]}
-        return msg, calls
-
-    @staticmethod
-    def _json(payload: str):
-        try:
-            return json.loads(payload)
-        except json.JSONDecodeError as e:
-            return e
-
-    def step(self, ep: Episode, c: Completion) -> list:
-        """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
-        t = len(ep.turns)
-        ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
-        ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
-        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
-        keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
-        text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        msg, calls = self.parse(text)
-        ep.raw[len(ep.messages)] = ep.forced + text
-        ep.messages.append(msg)
-        ep.samples[-1].n_messages = len(ep.messages)
-        if c.finish_reason == "length":
-            ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
-        elif not text.strip():
-            ep.done, ep.end_reason = True, "empty"              # nothing (or only EOS) was sampled
-        elif not calls:
-            ep.done, ep.end_reason = True, "answer" if (self.native or ANSWER_RE.search(text)) else "no_action"
-        elif ep.tool_calls >= self.cfg.max_env_steps:
-            ep.done, ep.end_reason = True, "max_env_steps"
-        else:
-            if ep.first_result_turn is None:
-                ep.first_result_turn = t + 1
-            return calls
-        return []
-
-    # --- rollout and the tokenization sanity check ---------------------------------------------
-
-    def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
-        """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
-        eps = [self.new_episode(r) for r in rows]
-        active = eps
-        while active:
-            prompts, budgets = [], []
-            for ep in active:
-                n_samples, held = len(ep.samples), len(ep.samples[-1].input_ids) if ep.samples else 0
-                prompts.append(self.next_prompt(ep))
-                budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
-                if budgets[-1] < 1:   # no room to sample: undo this prompt, so no sample exceeds max_seq_len
-                    del ep.samples[n_samples:]
-                    if ep.samples:
-                        ep.samples[-1].truncate(held)
-                    ep.done, ep.end_reason = True, "context"
-            live = [i for i, b in enumerate(budgets) if b >= 1]
-            if live:
-                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live],
-                                        0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
-                self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
-            active = [ep for ep in active if not ep.done]
-        for ep in eps:
-            for s in ep.samples:
-                n = len(s.input_ids)
-                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n, "I2: sample lists out of step"
-            ep.tokenization_mismatches = self.check_tokenization(ep)
-        return eps
-
-    def check_tokenization(self, ep: Episode) -> int:
-        """Compare what each sample's sampler saw with a fresh full rendering of the messages the sample
-        covers (I5): the held text up to the sample's last turn must be a prefix of it. (That last turn
-        was never shown to the sampler; if the template renders it differently, the next turn forks.)
-        Returns the number of mismatches; raises on one unless it is whitespace-only under
-        `ignore_strippable`."""
-        mode, found = self.cfg.tokenization_check, 0
-        if mode == "off":
-            return 0
-        for k, s in enumerate(ep.samples):
-            if not s.n_messages:
-                continue
-            held = self.tok.decode(s.input_ids[: s.last_prompt_len], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
-            fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
-            if fresh.startswith(held):
-                continue
-            found += 1
-            if mode == "ignore_strippable" and "".join(fresh.split()).startswith("".join(held.split())):
-                continue
-            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
-            raise TokenizationMismatch(
-                f"sample {k} of an episode differs from a fresh rendering of its {s.n_messages} messages "
-                f"(thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
-                f"  trained : ...{held[max(0, at - 80):at + 80]!r}\n  template: ...{fresh[max(0, at - 80):at + 80]!r}\n"
-                "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
-                "tokenization_check: ignore_strippable (whitespace-only differences) or off.")
-        return found
-
-
-class TokenizationMismatch(RuntimeError):
-    pass
 
 
 # ======================================================================================
-# Rewards
+# D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts
 # ======================================================================================
 
-class RewardError(ConfigError):
-    """A reward function raised, or returned the wrong length or a non-number: the run stops (I6)."""
+def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this is one
+    process (FSDP2 then still gets a 1-rank process group, which it needs)."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ and not cfg.fsdp:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {world} training ranks "
+                          "(each rank gets whole GRPO groups)")
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        import datetime
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
+    return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
 
 
-def check_rewards(env: MultiTurnToolEnv, rows: list[dict], funcs: list):
-    """Before any model work: score two dummy episodes on the first dataset rows, so a reward that
-    raises, needs a column the dataset lacks, or returns junk fails in seconds, not at step 1."""
-    eps = [env.new_episode(r) for r in rows[:2]]
-    for ep in eps:
-        ep.messages.append({"role": "assistant", "content": "<reasoning>.</reasoning>\n<answer>.</answer>"})
-    score(eps, funcs, [1.0] * len(funcs))
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
-    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
-    completions = [ep.completion for ep in episodes]
-    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
-    total = [0.0] * len(episodes)
-    for fn, w in zip(funcs, weights):
-        name = getattr(fn, "__name__", str(fn))
-        where = f"reward function '{name}' ({inspect.getsourcefile(fn)})"
-        try:
-            vals = fn(completions, **columns)
-        except Exception as e:
-            raise RewardError(f"{where} raised {type(e).__name__}: {e}  (dataset columns: {', '.join(columns)})") from e
-        if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
-            raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
-        for i, (ep, v) in enumerate(zip(episodes, vals)):
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise RewardError(f"{where} returned {v!r:.100} for episode {i}, not a number") from None
-            if not math.isfinite(v):
-                raise RewardError(f"{where} returned {v} for episode {i}")
-            ep.rewards[name] = v
-            total[i] += w * v
-    return total
+def all_sum(*xs: float) -> list[float]:
+    """Sum numbers over ranks (identity in one process)."""
+    if not dist.is_initialized():
+        return list(xs)
+    t = torch.tensor(xs, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return t.tolist()
 
 
-# ======================================================================================
-# Advantages (pure functions)
-# ======================================================================================
-
-def group_normalize(rewards, scale: bool = True) -> np.ndarray:
-    """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
-    such as 0.1 + 0.25 vs 0.35 (spread ~1e-8) would otherwise become a full +-1 advantage."""
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.max() - r.min() <= 1e-6 * max(1.0, float(np.abs(r).max())):
-        return np.zeros_like(r)
-    centred = r - r.mean()
-    return centred / (r.std(ddof=1) + 1e-4) if scale else centred
+def gather_to_rank0(obj) -> list:
+    """Every rank's `obj`, as a list on rank 0 ([obj] in one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
 
 
-def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = True):
-    """One group's rewards -> per-episode advantages (before, after) the first tool result.
-
-    mt_grpo:      before = A_O + coef * A_T, after = A_O   (paper Eq. 5)
-    grpo_outcome: before = after = A_O                     (GRPO-OR: outcome reward only)
-    grpo_merged:  before = after = norm(R_T + R_O)         (GRPO-MR: one merged scalar)
-    """
-    if mode == "mt_grpo":
-        a_o = group_normalize(outcome_R, scale)
-        return a_o + coef * group_normalize(turn_R, scale), a_o
-    if mode == "grpo_outcome":
-        a = group_normalize(outcome_R, scale)
-    elif mode == "grpo_merged":
-        a = group_normalize(np.add(turn_R, outcome_R), scale)
-    else:
-        raise ValueError(f"unknown advantage_mode {mode!r}")
-    return a, a
-
-
-def token_advantages(turn_idx, loss_mask, before: float, after: float, split_turn) -> list[float]:
-    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn
-    after a tool result; None = no tool result, so every turn is 'before'), `after` on later ones,
-    0 on tokens that are not trained."""
-    split = math.inf if split_turn is None else split_turn
-    return [float(m) * (before if t < split else after) for t, m in zip(turn_idx, loss_mask)]
-
-
-# ======================================================================================
-# Loss (pure function)
-# ======================================================================================
-
-def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float, aggregation: str,
-              num_tokens: int, num_seqs: int, beta: float = 0.0, ref_logp=None, is_weight=None):
-    """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch.
-
-    The denominators (`num_tokens`, `num_seqs`) are those of the whole batch, so summing the losses
-    of micro-batches gives the gradient of the whole batch at once (gradient accumulation).
-    `is_weight` is the (capped, detached) trainer/sampler importance weight per token.
-    """
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    if is_weight is not None:
-        per_token = per_token * is_weight
-    kl = torch.zeros_like(logp)
-    if beta > 0:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1                      # k3 estimator of KL(pi || ref), >= 0
-        per_token = per_token + beta * kl
-    mask = mask.to(logp.dtype)
-    if aggregation == "token_mean":
-        loss = (per_token * mask).sum() / max(num_tokens, 1)
-    elif aggregation == "sequence_mean":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1)
-    else:
-        raise ValueError(f"unknown loss_aggregation {aggregation!r}")
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        stats = {"clip_frac": (((ratio - clipped).abs() > 1e-8).to(mask.dtype) * mask).sum() / n,
-                 "kl": (kl * mask).sum() / n, "ratio": (ratio * mask).sum() / n}
-    return loss, stats
-
-
-# ======================================================================================
-# Train step, checkpoints
-# ======================================================================================
-
-def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (1, 0))
-
-
-def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    T = max(len(s.input_ids) for s in samples)
-    def pad(key, fill, dtype):
-        return torch.tensor([getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device)
-    return {"ids": pad("input_ids", pad_id, torch.long), "mask": pad("loss_mask", 0, torch.long),
-            "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32), "adv": pad("advantages", 0.0, torch.float32),
-            "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device)}
-
-
-def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
-    """With a token budget: longest first, so each micro-batch holds samples of similar length and
-    little padding (length bucketing). Otherwise `micro_batch_size` samples at a time, in order."""
-    if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    mbs: list[list[Sample]] = []
-    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
-        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
-            mbs[-1].append(s)
-        else:
-            mbs.append([s])
-    return mbs
-
-
-def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
-    """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches.
-
-    Under torchrun each rank holds its own groups' samples. The loss is normalised by the global
-    token and sequence counts and multiplied by the world size, because DDP and FSDP average
-    gradients over ranks: N ranks then give exactly the update one process would on the union."""
-    device = next(model.parameters()).device
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    num_tokens, num_seqs = all_sum(sum(sum(s.loss_mask) for s in samples), len(samples))
-    if num_tokens == 0:
-        return {"loss/skipped_empty_batch": 1.0}
-    groups = make_microbatches(samples, cfg)
-    real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
-    n_mb = len(groups)
-    if world > 1:   # FSDP all-gathers in every forward, so every rank runs as many micro-batches as the busiest
-        t = torch.tensor(n_mb, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_mb = int(t)
-    filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], advantages=[0.0])
-    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
-    with torch.no_grad(), autocast(cfg, device):
-        for mb in mbs:
-            if cfg.num_iterations > 1:   # the policy before any update of this batch
-                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-            if cfg.beta > 0:
-                mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
-    model.train()
-    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0}
-    for _ in range(cfg.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        for j, mb in enumerate(mbs):
-            sync = j == len(mbs) - 1   # reduce gradients over ranks once, after the last micro-batch
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(sync)   # FSDP2
-            with (model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()):   # DDP
-                with autocast(cfg, device):
-                    logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-                old = mb.get("old", logp.detach())
-                isw = None
-                if cfg.is_ratio_cap > 0:
-                    isw = torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
-                loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                     aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
-                                     beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
-                (loss * world).backward()
-            w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
-            sums["loss/policy"] += loss.item() / cfg.num_iterations
-            for k in ("clip_frac", "kl", "ratio"):
-                sums[f"loss/{k}"] += st[k].item() * w
-            if isw is not None:
-                sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-        optimizer.step()
-        scheduler.step()
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn   # FSDP2 returns a DTensor
-    return {**dict(zip(sums, all_sum(*sums.values()))), "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0],
-            "train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
-
-
-def lr_lambda(cfg: Config):
-    total = max(1, cfg.max_steps * cfg.num_iterations)
-    def f(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-        return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
-    return f
+@contextlib.contextmanager
+def gradient_sync(model, sync: bool):
+    """Reduce gradients over ranks only when `sync` (after the last micro-batch): FSDP2 and DDP each have a switch."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)   # FSDP2
+    with (model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()):   # DDP
+        yield
 
 
 def wrap_model(model, cfg: Config, device: torch.device):
@@ -1314,6 +1806,11 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
+
+
+# ======================================================================================
+# E. Checkpoints and resume
+# ======================================================================================
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
     """HF model + tokenizer, and the trainer state, written by rank 0 to a temp folder and then renamed,
@@ -1348,502 +1845,111 @@ def find_checkpoint(cfg: Config) -> str | None:
     return os.path.join(cfg.output_dir, max(found, key=lambda d: int(d.split("-")[1]))) if found else None
 
 
-# ======================================================================================
-# check-template: simulate multi-turn episodes through the real env code, before training
-# ======================================================================================
 
-def _sim_search(query: str) -> str:
-    """Search the web for `query`.
-
-    Args:
-        query: what to search for
-    """
-    return f"Results for {query}: 42 is the answer."
-
-
-def simulate_episode(env: MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[Episode, list]:
-    """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS
-    where the protocol ends turns with it), ("user", text) is a new user query. Returns the episode
-    and the (prompt, sampled ids) pairs the sampler would have seen."""
-    ep = env.new_episode({"prompt": "What is six times seven?"})
-    seen = []
-    for role, text in script:
-        if role == "user":
-            ep.messages.append({"role": "user", "content": text})
-            continue
-        prompt = env.next_prompt(ep)
-        ids = env.tok.encode(text, add_special_tokens=False) + ([eos_id] if env.native and eos_id is not None else [])
-        seen.append((prompt, ids))
-        env.run_tools([(ep, call) for call in env.step(ep, Completion(ids, [0.0] * len(ids), "stop"))])
-        ep.done = False
-    return ep, seen
-
-
-def check_invariants(ep: Episode, seen: list, env: MultiTurnToolEnv) -> list[str]:
-    """I1-I3 and I5 on one simulated episode, as readable violations."""
-    bad = []
-    for t, (prompt, ids) in enumerate(seen):
-        s = next((s for s in ep.samples if s.input_ids[:len(prompt)] == prompt and
-                  s.input_ids[len(prompt):len(prompt) + len(ids)] == ids), None)
-        if s is None:
-            bad.append(f"I1: turn {t}'s sampled ids are not in any sample right after the prompt the sampler saw")
-        elif s.loss_mask[len(prompt):len(prompt) + len(ids)] != [1] * len(ids):
-            bad.append(f"I3: turn {t}'s sampled ids are not all mask 1")
-    for k, s in enumerate(ep.samples):
-        if not len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx):
-            bad.append(f"I2: sample {k}'s per-token lists differ in length")
-    trained = sum(sum(s.loss_mask) for s in ep.samples)
-    if trained != sum(len(ids) for _, ids in seen):
-        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled")
-    try:
-        env.check_tokenization(ep)
-    except TokenizationMismatch as e:
-        bad.append(f"I5: {e}")
-    return bad
-
-
-def check_template(tokenizer, thinking_retention: str = "template", tool_format: str = "native") -> dict:
-    """Simulate episodes with and without thinking: tool turns, then a new user turn after the tool
-    cycle. Report, per setting, whether extension holds at each boundary, the samples a T-turn episode
-    makes, and any invariant violation."""
-    cfg = Config(system_prompt="You are a helpful assistant.", tool_format=tool_format, max_env_steps=100,
-                 thinking_retention=thinking_retention, tokenization_check="strict")
-    env = MultiTurnToolEnv(tokenizer, [_sim_search], cfg)
-    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
-
-    def call(q):
-        if tool_format == "native":
-            return '<tool_call>\n{"name": "_sim_search", "arguments": ' + json.dumps({"query": q}) + "}\n</tool_call>"
-        return '<tool>{"name": "_sim_search", "args": ' + json.dumps({"query": q}) + "}</tool>"
-
-    def answer(a):
-        return a if tool_format == "native" else f"<answer>{a}</answer>"
-
-    report = {"thinking_retention": thinking_retention, "tool_format": tool_format, "settings": {}}
-    for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
-        cfg.chat_template_kwargs = {} if think else {"enable_thinking": False}
-        th = (lambda x: think.format(x)) if think else (lambda x: "")
-        script = [("assistant", th("I should search.") + call("six times seven")),
-                  ("assistant", th("Search once more.") + call("multiplication")),
-                  ("assistant", th("Both agree.") + answer("42")),
-                  ("user", "Why is that?"),
-                  ("assistant", th("Look it up.") + call("why 42")),
-                  ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42."))]
-        ep, seen = simulate_episode(env, script, eos)
-        violations = check_invariants(ep, seen, env)
-        for b in ep.boundaries:
-            if not b["extends"]:
-                b["why"] = ("the chat template renders earlier turns differently once a new user query arrives "
-                            "(e.g. it drops past <think> blocks): the sample forks here" if b["kind"] == "user" else
-                            "the chat template re-renders the previous turn differently from what was sampled: the sample forks")
-        report["settings"][setting] = {"extension_holds": all(b["extends"] for b in ep.boundaries),
-                                       "samples_per_episode": len(ep.samples), "turns": len(seen),
-                                       "boundaries": ep.boundaries, "violations": violations}
-    st = report["settings"].values()
-    report.update(extension_holds=all(x["extension_holds"] for x in st),
-                  samples_per_episode=max(x["samples_per_episode"] for x in st),
-                  boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
-                  violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]])
-    return report
-
-
-def check_template_main(argv):
-    import argparse
-    from transformers import AutoTokenizer
-    ap = argparse.ArgumentParser(prog="mt_grpo_trainer.py check-template",
-                                 description="Check a chat template for multi-turn RL before training.")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
-    ap.add_argument("--chat-template", help="a .jinja file that replaces the tokenizer's chat template")
-    ap.add_argument("--thinking-retention", default="template", choices=CHOICES["thinking_retention"])
-    ap.add_argument("--tool-format", default="native", choices=CHOICES["tool_format"])
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    a = ap.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(a.tokenizer)
-    if a.chat_template:
-        with open(a.chat_template) as f:
-            tok.chat_template = f.read()
-    if not tok.chat_template:
-        sys.exit(f"mt-grpo: error: {a.tokenizer} has no chat template; pass --chat-template FILE")
-    r = check_template(tok, a.thinking_retention, a.tool_format)
-    if a.json:
-        print(json.dumps(r, indent=2))
+def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, main: bool) -> int:
+    """Optimizer, scheduler and RNG state from a checkpoint (the model was loaded from it). Log lines of
+    later steps are dropped, since those steps will be redone. Returns the step to continue from."""
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    if cfg.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
-        print(f"check-template: {a.tokenizer} (thinking_retention={a.thinking_retention}, tool_format={a.tool_format})")
-        for name, x in r["settings"].items():
-            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'FORK'}" for b in x["boundaries"])
-            print(f"  {name:<12} {x['turns']} turns -> {x['samples_per_episode']} sample(s) | boundaries: {marks}")
-            for b in x["boundaries"]:
-                if not b["extends"]:
-                    print(f"      turn {b['turn']}: {b['why']}")
-            for v in x["violations"]:
-                print(f"      VIOLATION {v}")
-        print("  extension holds on every boundary" if r["extension_holds"] else
-              "  extension breaks at the boundaries marked FORK (counted as rollout/forks in training)")
-    return 1 if r["violations"] else 0
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if world == 1:   # rank 0's streams; with several ranks each keeps its own seed
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if main:
+        for name in ("metrics.jsonl", "episodes.jsonl"):
+            path = os.path.join(cfg.output_dir, name)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    keep = [line for line in f if json.loads(line)["step"] <= state["step"]]
+                with open(path, "w") as f:
+                    f.writelines(keep)
+    return state["step"]
 
 
 # ======================================================================================
-# main(): rollout -> reward -> advantage -> update -> log -> save
+# F. Loading plug-ins and data; small utilities
 # ======================================================================================
 
-def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
-    """P prompts for this step, each repeated G times. Depends only on (seed, step): resumable."""
-    rng = random.Random(cfg.seed * 1_000_003 + step)
-    picked = rng.sample(rows, cfg.prompts_per_step) if len(rows) >= cfg.prompts_per_step else rng.choices(rows, k=cfg.prompts_per_step)
-    return [r for r in picked for _ in range(cfg.num_generations)]
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
-def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
-    return {"step": step, "episode": i, "group": i // cfg.num_generations, "messages": ep.messages,
-            "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "forks": ep.forks,
-            "boundaries": ep.boundaries, "tokenization_mismatches": ep.tokenization_mismatches,
-            "rewards": ep.rewards, "turn_reward": ep.turn_reward, "outcome_reward": ep.outcome_reward,
-            "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
-            "first_result_turn": ep.first_result_turn,
-            "samples": [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "sampler_logprobs": s.sampler_logprobs,
-                         "advantages": s.advantages, "turn_idx": s.turn_idx} for s in ep.samples]}
-
-
-def rollout_metrics(eps: list[Episode]) -> dict:
-    n = len(eps)
-    samples = [s for e in eps for s in e.samples]
-    return {"rollout/turns": sum(len(e.turns) for e in eps) / n, "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
-            "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
-            "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
-            "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
-            "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
-            "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
-            "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
-            # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
-            "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
-            "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
-            "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
-            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n}
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id if model.generation_config else None
-    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return set(eos) | {tokenizer.eos_token_id}
-
-
-def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
-    """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6).
-    A sample with nothing sampled has nothing to train; with mask_truncated_completions, neither has
-    an episode cut by max_tokens or the context budget."""
-    samples = [s for ep in episodes for s in ep.samples if any(s.loss_mask)
-               and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
-    finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
-    return finite, len(samples) - len(finite)
-
-
-def gather_to_rank0(obj) -> list:
-    """Every rank's `obj`, as a list on rank 0 ([obj] in one process)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
-
-
-def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], reward_fns: list, step: int) -> dict:
-    """Greedy rollouts over the eval rows (each rank takes its share) and the mean of every reward
-    function; the paper's table columns (tool execution, search-answer, XML format, exact match)
-    are reward functions. Rank 0 prints the table, writes the episodes to eval/step-N.jsonl and
-    returns the `eval/...` metrics."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine, eps = rows[rank::world], []
-    chunk = cfg.prompts_per_step * cfg.num_generations // world
-    for i in range(0, len(mine), chunk):
-        eps += env.rollout(mine[i:i + chunk], sampler, greedy=True)
-    if eps:
-        score(eps, reward_fns, [1.0] * len(reward_fns))
-    records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
-                "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
-               for i, ep in enumerate(eps)]
-    records = [r for part in gather_to_rank0(records) for r in part]
-    if rank != 0:
-        return {}
-    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
-    names = [getattr(fn, "__name__", str(fn)) for fn in reward_fns]
-    m = {f"eval/{n}": float(np.mean([r["rewards"][n] for r in records])) for n in names}
-    m["eval/answered"] = float(np.mean([r["end_reason"] == "answer" for r in records]))
-    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
-    for k, v in m.items():
-        print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
-    return m
-
-
-def train(cfg: Config, eval_only: bool = False) -> list[dict]:
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    rank, world, device = init_distributed(cfg)
-    main_rank = rank == 0
-    say = print if main_rank else (lambda *a, **k: None)
-    seed_everything(cfg.seed + rank)
-    # Check every plug-in before any model work, so a bad recipe fails in seconds.
-    tools = [load_object(s, "tool") for s in cfg.tools]
-    turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
-    outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
-    turn_w = cfg.turn_reward_weights or [1.0] * len(turn_fns)
-    outcome_w = cfg.outcome_reward_weights or [1.0] * len(outcome_fns)
-    rows = load_rows(cfg.dataset)
-    eval_rows = load_rows(cfg.eval_dataset)[:cfg.eval_max_examples or None] if cfg.eval_dataset else []
-    text_env = MultiTurnToolEnv(None, tools, cfg)   # messages only: the system prompt, dummy episodes
-    check_rewards(text_env, rows, turn_fns + outcome_fns)
-    if cfg.fsdp and not cfg.vllm_server_url:
-        raise ConfigError("fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
-                          "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
-    ckpt = find_checkpoint(cfg)
-    if main_rank:
-        if not ckpt and not eval_only and os.path.isfile(os.path.join(cfg.output_dir, "metrics.jsonl")):
-            old = f"{cfg.output_dir.rstrip('/')}.{time.strftime('%Y%m%d-%H%M%S')}"   # a fresh run never mixes with an earlier one
-            os.replace(cfg.output_dir, old)
-            say(f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
-                "(resume_from_checkpoint=auto continues a run instead)", flush=True)
-        os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
-            yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)   # safe_dump quotes 'off', so it reloads as a string
-        if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
-            say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...", flush=True)
-            tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            load_object(cfg.model_builder, "model builder")(tmp, system_prompt=text_env.system_prompt)
-            os.replace(tmp, cfg.model_name_or_path)
-        report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
-        if os.path.isfile(report_path):
-            with open(report_path) as f:
-                rep = json.load(f)
-            ws = rep.get("warmstart")
-            say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params" + (
-                f"; supervised warm-start of {ws.get('steps')} steps on {ws.get('demonstrations')} generated "
-                f"demonstrations (final loss {ws.get('final_loss')}, {ws.get('seconds')} s)" if ws else
-                f" ({rep.get('seconds')} s)"), flush=True)
-    if dist.is_initialized():
-        dist.barrier()   # the model folder exists for every rank
-
-    src = ckpt or cfg.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
-    ref_model = None
-    if cfg.beta > 0:   # replicated on every rank, inference only
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
-        ref_model.requires_grad_(False)
-    policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF module
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  betas=tuple(cfg.adam_betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    start = 0
-    if ckpt:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        if cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if world == 1:   # rank 0's streams; with several ranks each keeps its own seed
-            random.setstate(state["rng"]["python"])
-            np.random.set_state(state["rng"]["numpy"])
-            torch.set_rng_state(state["rng"]["torch"])
-            if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
-        if main_rank:
-            for name in ("metrics.jsonl", "episodes.jsonl"):   # steps after the checkpoint will be redone
-                path = os.path.join(cfg.output_dir, name)
-                if os.path.isfile(path):
-                    with open(path) as f:
-                        keep = [line for line in f if json.loads(line)["step"] <= start]
-                    with open(path, "w") as f:
-                        f.writelines(keep)
-        say(f"[mt-grpo] resumed from {ckpt} at step {start}", flush=True)
-
-    env = MultiTurnToolEnv(tokenizer, tools, cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if cfg.vllm_server_url:
-        sampler = VLLMServerClient(cfg, model.config.vocab_size, eos_ids(model, tokenizer))
-        say(f"[mt-grpo] sampling from {sampler.url} ({sampler.model}, max_model_len {sampler.max_model_len})", flush=True)
-    else:
-        sampler = LocalSampler(model, tokenizer)
-
-    def sync(version: int):   # the server samples from the current weights from now on
-        t = time.time()
-        sd, _ = full_state(model, None, cfg.fsdp)
-        if main_rank:
-            sampler.sync_weights(model, sd, version)
-        if dist.is_initialized():
-            dist.barrier()
-        sampler.policy_version = version
-        return time.time() - t
-
-    if cfg.vllm_server_url:   # the server may hold other weights (another run's, or not this checkpoint's)
-        sync(start)
-    if eval_only:
-        if not eval_rows:
-            raise ConfigError("eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows")
-        m = evaluate(cfg, env, sampler, eval_rows, turn_fns + outcome_fns, start)
-        if main_rank:
-            with open(os.path.join(cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": start, "model": src, **m}) + "\n")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return [m]
-    wandb_run = None
-    if cfg.report_to == "wandb" and main_rank:
-        import wandb
-        wandb_run = wandb.init(project=cfg.wandb_project, dir=cfg.output_dir, config=dataclasses.asdict(cfg),
-                               name=os.path.basename(cfg.output_dir.rstrip("/")), resume="allow")
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    history = []
-    term = []   # SIGTERM (preemption, torchrun shutting down): finish the step, save, exit cleanly
-    if threading.current_thread() is threading.main_thread():
-        previous_handler = signal.signal(signal.SIGTERM, lambda *_: term.append(1))
-    per_rank = cfg.prompts_per_step * cfg.num_generations // world
-    bar = tqdm(range(start, cfg.max_steps), initial=start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True,
-               disable=not main_rank)
-    for step in bar:
-        t0 = time.time()
-        # 1. rollout: this rank's whole groups
-        batch = rows_for_step(rows, cfg, step)[rank * per_rank:(rank + 1) * per_rank]
-        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step + 100_003 * rank)
-        episodes = env.rollout(batch, sampler, gen)
-        t_roll = time.time() - t0
-        # 2. reward
-        turn_R = score(episodes, turn_fns, turn_w)
-        outcome_R = score(episodes, outcome_fns, outcome_w)
-        # 3. advantage, per group, then per token
-        G = cfg.num_generations
-        for g in range(0, len(episodes), G):
-            before, after = episode_advantages(turn_R[g:g + G], outcome_R[g:g + G], cfg.advantage_mode,
-                                               cfg.turn_advantage_coef, cfg.scale_rewards)
-            for ep, tr, orr, b, a in zip(episodes[g:g + G], turn_R[g:g + G], outcome_R[g:g + G], before, after):
-                ep.turn_reward, ep.outcome_reward, ep.adv_before, ep.adv_after = tr, orr, float(b), float(a)
-                for s in ep.samples:
-                    s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
-        # 4. update
-        samples, rejected = trainable_samples(episodes, cfg)
-        t1 = time.time()
-        m = train_on_samples(policy, ref_model, optimizer, scheduler, samples, cfg, pad_id)
-        t_train = time.time() - t1
-        # 5. sync the server's weights
-        if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
-            m["time/weight_sync"] = sync(step + 1)
-        # 6. log: every rank's means, averaged on rank 0 (ranks hold equally many episodes)
-        m.update({"reward/turn": float(np.mean(turn_R)), "reward/outcome": float(np.mean(outcome_R)),
-                  **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in episodes])) for k in episodes[0].rewards},
-                  "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in episodes])),
-                  "adv/after_abs": float(np.mean([abs(ep.adv_after) for ep in episodes])),
-                  **rollout_metrics(episodes), "rollout/rejected_nonfinite": rejected,
-                  "time/rollout": t_roll, "time/train": t_train, "time/step": time.time() - t0})
-        dump = cfg.log_episodes_steps and ((step + 1) % cfg.log_episodes_steps == 0 or step == start)
-        records = [episode_record(step + 1, rank * per_rank + i, ep, cfg) for i, ep in enumerate(episodes)] if dump else []
-        gathered = gather_to_rank0((m, records))
-        evaluated = evaluate(cfg, env, sampler, eval_rows, turn_fns + outcome_fns, step + 1) \
-            if eval_rows and cfg.eval_steps and (step + 1) % cfg.eval_steps == 0 else {}
-        if main_rank:
-            m = {"step": step + 1, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in m}}
-            m["rollout/tokenization_mismatch"] *= world
-            m["rollout/rejected_nonfinite"] *= world   # counts, not means
-            m.update(evaluated)
-            history.append(m)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            if wandb_run:
-                wandb_run.log(m, step=step + 1)
-            bar.write(f"step {step + 1:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
-                      f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
-                      f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
-                      f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
-            if dump:
-                with open(os.path.join(cfg.output_dir, "episodes.jsonl"), "a") as f:
-                    for _, recs in gathered:
-                        f.writelines(json.dumps(r) + "\n" for r in recs)
-        # 7. save; on SIGTERM (any rank's: every rank stops at the same step) save and stop
-        stopping = all_sum(float(bool(term)))[0] > 0
-        if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps or stopping:
-            path = save_checkpoint(cfg, step + 1, model, tokenizer, optimizer, scheduler)
-        if stopping:
-            say(f"\n[mt-grpo] SIGTERM: stopped after step {step + 1} and saved {path}; "
-                "continue with resume_from_checkpoint=auto", flush=True)
+def load_object(spec: str, what: str = "object"):
+    """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
+    if ":" not in spec:
+        raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
+    path, name = spec.rsplit(":", 1)
+    for base in ("", os.path.dirname(os.path.abspath(__file__))):
+        full = os.path.join(base, path)
+        if os.path.isfile(full):
             break
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, previous_handler)
-    bar.close()
-    if wandb_run:
-        wandb_run.finish()
-    if cfg.vllm_server_url and main_rank:
-        sampler.cleanup()
-    if main_rank:
-        summarize(cfg, history)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return history
+    else:
+        raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
+    mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
+    module = sys.modules.get(mod_name)
+    if module is None:
+        spec_ = importlib.util.spec_from_file_location(mod_name, full)
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[mod_name] = module
+        spec_.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise ConfigError(f"{what} '{name}' not found in {path}")
+    return getattr(module, name)
 
 
-def summarize(cfg: Config, history: list[dict]):
-    if not history:
-        print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
-        return
-    k = min(10, len(history))
-    first = {key: np.mean([h[key] for h in history[:k]]) for key in ("reward/outcome", "reward/turn", "rollout/tool_calls")}
-    last = {key: np.mean([h[key] for h in history[-k:]]) for key in first}
-    print(f"\n[mt-grpo] before/after ({k}-step means, first vs last of {len(history)} steps):")
-    for key in first:
-        print(f"  {key:<22} {first[key]:.3f} -> {last[key]:.3f}")
-    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
-    for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
-    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
-    print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
+def load_rows(spec: str) -> list[dict]:
+    if spec.endswith(".jsonl"):
+        if not os.path.isfile(spec):
+            raise ConfigError(f"dataset file not found: {spec}")
+        with open(spec) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        rows = list(load_object(spec, "dataset function")())
+    if not rows or any("prompt" not in r for r in rows):
+        raise ConfigError(f"dataset '{spec}' is empty or has rows without a 'prompt' column")
+    return rows
 
 
-def print_help():
-    docs, hints = field_docs(), typing.get_type_hints(Config)
-    print(__doc__.split("\n\nRun:")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
-          "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
-          "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n\nrecipe keys:")
-    for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        print(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}, default {default!r})\n      {docs.get(f.name, '')}")
+def autocast(cfg: Config, device: torch.device):
+    use = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"
+                                             and torch.cuda.is_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        return print_help()
-    if argv[0] == "check-template":
-        sys.exit(check_template_main(argv[1:]))
-    eval_only = argv[0] == "eval"
-    if argv[0] in ("train", "eval"):
-        argv = argv[1:]
-    recipe = argv[0] if argv and not argv[0].count("=") else None
-    try:
-        cfg = load_config(recipe, argv[1:] if recipe else argv)
-        train(cfg, eval_only)
-    except (ConfigError, TokenizationMismatch, SamplerError) as e:
-        where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
-        exit_now(1)
-    except BaseException:
-        if dist.is_initialized():   # torchrun stops the other ranks once this one exits: never a hang
-            import traceback
-            traceback.print_exc()
-            exit_now(1)
-        raise
+class DaemonPool:
+    """Worker threads for tool calls and server requests. They are daemons: a call that never returns
+    is abandoned with its worker (run_tools adds a fresh one), and none can keep the process from
+    exiting after an error."""
 
+    def __init__(self, size: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(size):
+            self.add_worker()
 
-def exit_now(code: int):
-    """Exit without waiting on collectives or worker threads another rank might never finish."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code) if dist.is_initialized() else sys.exit(code)
+    def add_worker(self):
+        threading.Thread(target=self.work, daemon=True, name="tool").start()
+
+    def work(self):
+        while True:
+            fn, kwargs, fut = self.jobs.get()
+            try:
+                fut.set_result(fn(**kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def submit(self, fn, **kwargs) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((fn, kwargs, fut))
+        return fut
 
 
 if __name__ == "__main__":

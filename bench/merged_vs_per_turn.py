@@ -14,6 +14,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import check_template as CT  # noqa: E402
 import mt_grpo_trainer as M  # noqa: E402
 
 FIX = os.path.join(ROOT, "..", "shared", "fixtures")
@@ -35,7 +36,7 @@ def main():
         for T in (2, 4, 8, 16):
             cfg = M.Config(system_prompt="You are a helpful assistant.", tool_format="native", max_env_steps=100,
                            thinking_retention=retention, tokenization_check="strict")
-            env = M.MultiTurnToolEnv(tok, [M._sim_search], cfg)
+            env = M.MultiTurnToolEnv(tok, [CT._sim_search], cfg)
             script = []
             for t in range(T - 1):
                 if scenario == "tool calls":
@@ -45,8 +46,8 @@ def main():
                     script += [("assistant", f"<think>\nStep {t}: the user asks about part {t}.\n</think>\n\nPart {t} is done."),
                                ("user", f"Now do part {t + 1}.")]
             script.append(("assistant", "<think>\nI have everything now.\n</think>\n\nThe answer is 42."))
-            ep, seen = M.simulate_episode(env, script, tok.eos_token_id)
-            assert M.check_invariants(ep, seen, env) == []
+            ep, seen = CT.simulate_episode(env, script, tok.eos_token_id)
+            assert CT.check_invariants(ep, seen, env) == []
             merged = sum(len(s.input_ids) for s in ep.samples)
             per_turn = sum(len(p) + len(ids) for p, ids in seen)
             print(f"| {scenario} | {T} | {retention} | {len(ep.samples)} | {merged} | {per_turn} | {per_turn / merged:.2f}x |")

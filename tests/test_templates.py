@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+import check_template as CT
 import mt_grpo_trainer as M
 from conftest import ROOT
 from test_env import ScriptedSampler, char_ids
@@ -33,7 +34,7 @@ def kinds(setting):
 
 
 def test_qwen3_template_forks_exactly_where_the_template_drops_thinking(qwen3):
-    r = M.check_template(qwen3, "template", "native")
+    r = CT.check_template(qwen3, "template", "native")
     assert r["violations"] == []
     th, plain = r["settings"]["thinking"], r["settings"]["no_thinking"]
     # Thinking: past <think> blocks survive the tool cycle and are dropped at the new user query.
@@ -46,9 +47,9 @@ def test_qwen3_template_forks_exactly_where_the_template_drops_thinking(qwen3):
 
 def test_qwen3_drops_thinking_at_the_user_query_and_the_new_sample_is_what_the_sampler_saw(qwen3):
     cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10)
-    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nsecret plan\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
-    ep, seen = M.simulate_episode(env, [("assistant", call), ("assistant", "<think>\nok\n</think>\n\nDone."),
+    ep, seen = CT.simulate_episode(env, [("assistant", call), ("assistant", "<think>\nok\n</think>\n\nDone."),
                                         ("user", "Again?"), ("assistant", "<think>\nsure\n</think>\n\nYes.")], qwen3.eos_token_id)
     assert len(ep.samples) == 2 and ep.forks == 1
     first, second = (qwen3.decode(s.input_ids) for s in ep.samples)
@@ -59,7 +60,7 @@ def test_qwen3_drops_thinking_at_the_user_query_and_the_new_sample_is_what_the_s
 
 
 def test_all_retention_keeps_every_thinking_block_in_one_sample(qwen3):
-    r = M.check_template(qwen3, "all", "native")
+    r = CT.check_template(qwen3, "all", "native")
     assert r["violations"] == [] and r["extension_holds"] and r["samples_per_episode"] == 1
 
 
@@ -70,9 +71,9 @@ def test_tool_cycle_keeps_thinking_only_inside_the_cycle():
     tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read().replace(
         "{%- if loop.index0 > ns.last_query_index %}", "{%- if loop.last %}")
-    t = M.check_template(tok, "template", "native")["settings"]["thinking"]
+    t = CT.check_template(tok, "template", "native")["settings"]["thinking"]
     assert kinds(t) == [("tool", False), ("tool", False), ("user", False), ("tool", False)]
-    c = M.check_template(tok, "tool_cycle", "native")
+    c = CT.check_template(tok, "tool_cycle", "native")
     assert kinds(c["settings"]["thinking"]) == [("tool", True), ("tool", True), ("user", False), ("tool", True)]
     assert c["violations"] == []
 
@@ -80,23 +81,23 @@ def test_tool_cycle_keeps_thinking_only_inside_the_cycle():
 def test_compaction_breaks_extension_once_every_n_turns(qwen3):
     cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=100, thinking_retention="all",
                    thinking_compaction_turns=2, tokenization_check="strict")
-    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nstep {}\n</think>\n\n<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "q{}"}}}}\n</tool_call>'
-    ep, seen = M.simulate_episode(env, [("assistant", call.format(i, i)) for i in range(6)], qwen3.eos_token_id)
+    ep, seen = CT.simulate_episode(env, [("assistant", call.format(i, i)) for i in range(6)], qwen3.eos_token_id)
     assert [b["extends"] for b in ep.boundaries] == [True, False, True, False, True]
     assert len(ep.samples) == 3
     last_prompt = qwen3.decode(seen[5][0])
     assert "step 4" in last_prompt and all(f"step {i}" not in last_prompt for i in range(4))
-    assert M.check_invariants(ep, seen, env) == []
+    assert CT.check_invariants(ep, seen, env) == []
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_xml_protocol_under_every_template(qwen3, name):
-    r = M.check_template(with_template(qwen3, name), "template", "xml")
+    r = CT.check_template(with_template(qwen3, name), "template", "xml")
     assert r["violations"] == []
     if name == "qwen3":   # an XML <result> is a user message, i.e. a new query to Qwen3: thinking dropped every turn
         assert not any(b["extends"] for b in r["settings"]["thinking"]["boundaries"])
-        assert M.check_template(with_template(qwen3, name), "all", "xml")["samples_per_episode"] == 1
+        assert CT.check_template(with_template(qwen3, name), "all", "xml")["samples_per_episode"] == 1
     else:
         assert r["extension_holds"] and r["samples_per_episode"] == 1
 
@@ -105,7 +106,7 @@ def test_xml_protocol_under_every_template(qwen3, name):
 def test_native_tool_calls_keep_the_invariants_under_every_template(qwen3, name):
     """Hermes <tool_call> calls: no invariant breaks under any template. Templates that render calls
     in another format (Llama 3.1's JSON) or not at all (SmolLM2's) re-render the turn: the sample forks."""
-    r = M.check_template(with_template(qwen3, name), "template", "native")
+    r = CT.check_template(with_template(qwen3, name), "template", "native")
     assert r["violations"] == []
     if name == "qwen3":      # Hermes <tool_call> is the Qwen templates' own format: a tool cycle stays one sample
         assert kinds(r["settings"]["thinking"])[:2] == [("tool", True), ("tool", True)]
@@ -116,12 +117,12 @@ def test_native_tool_calls_keep_the_invariants_under_every_template(qwen3, name)
 
 
 def test_tool_cycle_keeps_the_forced_empty_think_block_of_qwen3_without_thinking(qwen3):
-    r = M.check_template(qwen3, "tool_cycle", "native")["settings"]["no_thinking"]
+    r = CT.check_template(qwen3, "tool_cycle", "native")["settings"]["no_thinking"]
     assert kinds(r) == [("tool", True), ("tool", True), ("user", False), ("tool", True)] and r["violations"] == []
 
 
 def native_env(qwen3, **kw):
-    return M.MultiTurnToolEnv(qwen3, [M._sim_search], M.Config(system_prompt="", tool_format="native", max_env_steps=10,
+    return M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(system_prompt="", tool_format="native", max_env_steps=10,
                                                                tokenization_check="strict", **kw))
 
 
@@ -167,7 +168,7 @@ def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
     """Non-canonical ids ("\\n\\n" as two "\\n", text split per character) and special-token text
     sampled as ordinary characters: the trained ids are the sampled ids, and nothing forks."""
     cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict")
-    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], cfg)
+    env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nuse <|im_end|> literally\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "<|im_start|>"}}\n</tool_call>'
     ids = char_ids(qwen3, call) + [qwen3.eos_token_id]
     assert qwen3.convert_tokens_to_ids("<|im_end|>") not in ids[:-1]          # the text, not the control token
@@ -191,12 +192,12 @@ def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
 
 
 def test_native_tool_schema_from_signature_and_docstring(qwen3):
-    schema = M.tool_schema(M._sim_search)
+    schema = M.tool_schema(CT._sim_search)
     assert schema == {"type": "function", "function": {
         "name": "_sim_search", "description": "Search the web for `query`.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
                        "required": ["query"]}}}
-    env = M.MultiTurnToolEnv(qwen3, [M._sim_search], M.Config(system_prompt="", tool_format="native"))
+    env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(system_prompt="", tool_format="native"))
     text = env.render([{"role": "user", "content": "hi"}], {})
     assert json.dumps(schema) in text and "<tool_call>" in text
 

@@ -1,0 +1,144 @@
+"""check-template: simulate multi-turn episodes through the trainer's own environment code, before training.
+
+    python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--chat-template FILE] [--json]
+    python check_template.py --tokenizer ...          (the same)
+
+For a chat template and a `thinking_retention`, it reports whether extension (I4) holds at each turn
+boundary, how many samples an episode makes, and every invariant violation (I1-I3, I5). It lives
+beside the trainer, not in it, because training never needs it.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mt_grpo_trainer as M  # noqa: E402
+
+
+def _sim_search(query: str) -> str:
+    """Search the web for `query`.
+
+    Args:
+        query: what to search for
+    """
+    return f"Results for {query}: 42 is the answer."
+
+
+def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[M.Episode, list]:
+    """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS
+    where the protocol ends turns with it), ("user", text) is a new user query. Returns the episode
+    and the (prompt, sampled ids) pairs the sampler would have seen."""
+    ep = env.new_episode({"prompt": "What is six times seven?"})
+    seen = []
+    for role, text in script:
+        if role == "user":
+            ep.messages.append({"role": "user", "content": text})
+            continue
+        prompt = env.next_prompt(ep)
+        ids = env.tok.encode(text, add_special_tokens=False) + ([eos_id] if env.fmt.eos_ends_turn and eos_id is not None else [])
+        seen.append((prompt, ids))
+        env.run_tools([(ep, call) for call in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
+        ep.done = False
+    return ep, seen
+
+
+def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list[str]:
+    """I1-I3 and I5 on one simulated episode, as readable violations."""
+    bad = []
+    for t, (prompt, ids) in enumerate(seen):
+        s = next((s for s in ep.samples if s.input_ids[:len(prompt)] == prompt and
+                  s.input_ids[len(prompt):len(prompt) + len(ids)] == ids), None)
+        if s is None:
+            bad.append(f"I1: turn {t}'s sampled ids are not in any sample right after the prompt the sampler saw")
+        elif s.loss_mask[len(prompt):len(prompt) + len(ids)] != [1] * len(ids):
+            bad.append(f"I3: turn {t}'s sampled ids are not all mask 1")
+    for k, s in enumerate(ep.samples):
+        if not len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx):
+            bad.append(f"I2: sample {k}'s per-token lists differ in length")
+    trained = sum(sum(s.loss_mask) for s in ep.samples)
+    if trained != sum(len(ids) for _, ids in seen):
+        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled")
+    try:
+        env.check_tokenization(ep)
+    except M.TokenizationMismatch as e:
+        bad.append(f"I5: {e}")
+    return bad
+
+
+def check_template(tokenizer, thinking_retention: str = "template", tool_format: str = "native") -> dict:
+    """Simulate episodes with and without thinking: tool turns, then a new user turn after the tool
+    cycle. Report, per setting, whether extension holds at each boundary, the samples a T-turn episode
+    makes, and any invariant violation."""
+    cfg = M.Config(system_prompt="You are a helpful assistant.", tool_format=tool_format, max_env_steps=100,
+                   thinking_retention=thinking_retention, tokenization_check="strict")
+    env = M.MultiTurnToolEnv(tokenizer, [_sim_search], cfg)
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+
+    def call(q):
+        return env.fmt.call_text("_sim_search", {"query": q})
+
+    report = {"thinking_retention": thinking_retention, "tool_format": tool_format, "settings": {}}
+    for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
+        cfg.chat_template_kwargs = {} if think else {"enable_thinking": False}
+        th = (lambda x: think.format(x)) if think else (lambda x: "")
+        script = [("assistant", th("I should search.") + call("six times seven")),
+                  ("assistant", th("Search once more.") + call("multiplication")),
+                  ("assistant", th("Both agree.") + env.fmt.answer_text("42")),
+                  ("user", "Why is that?"),
+                  ("assistant", th("Look it up.") + call("why 42")),
+                  ("assistant", th("Now explain.") + env.fmt.answer_text("Because 6 x 7 = 42."))]
+        ep, seen = simulate_episode(env, script, eos)
+        violations = check_invariants(ep, seen, env)
+        for b in ep.boundaries:
+            if not b["extends"]:
+                b["why"] = ("the chat template renders earlier turns differently once a new user query arrives "
+                            "(e.g. it drops past <think> blocks): the sample forks here" if b["kind"] == "user" else
+                            "the chat template re-renders the previous turn differently from what was sampled: the sample forks")
+        report["settings"][setting] = {"extension_holds": all(b["extends"] for b in ep.boundaries),
+                                       "samples_per_episode": len(ep.samples), "turns": len(seen),
+                                       "boundaries": ep.boundaries, "violations": violations}
+    st = report["settings"].values()
+    report.update(extension_holds=all(x["extension_holds"] for x in st),
+                  samples_per_episode=max(x["samples_per_episode"] for x in st),
+                  boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
+                  violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]])
+    return report
+
+
+def main(argv=None):
+    import argparse
+    from transformers import AutoTokenizer
+    ap = argparse.ArgumentParser(prog="mt_grpo_trainer.py check-template",
+                                 description="Check a chat template for multi-turn RL before training.")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
+    ap.add_argument("--chat-template", help="a .jinja file that replaces the tokenizer's chat template")
+    ap.add_argument("--thinking-retention", default="template", choices=M.choices()["thinking_retention"])
+    ap.add_argument("--tool-format", default="native", choices=M.choices()["tool_format"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    if a.chat_template:
+        with open(a.chat_template) as f:
+            tok.chat_template = f.read()
+    if not tok.chat_template:
+        sys.exit(f"mt-grpo: error: {a.tokenizer} has no chat template; pass --chat-template FILE")
+    r = check_template(tok, a.thinking_retention, a.tool_format)
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(f"check-template: {a.tokenizer} (thinking_retention={a.thinking_retention}, tool_format={a.tool_format})")
+        for name, x in r["settings"].items():
+            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'FORK'}" for b in x["boundaries"])
+            print(f"  {name:<12} {x['turns']} turns -> {x['samples_per_episode']} sample(s) | boundaries: {marks}")
+            for b in x["boundaries"]:
+                if not b["extends"]:
+                    print(f"      turn {b['turn']}: {b['why']}")
+            for v in x["violations"]:
+                print(f"      VIOLATION {v}")
+        print("  extension holds on every boundary" if r["extension_holds"] else
+              "  extension breaks at the boundaries marked FORK (counted as rollout/forks in training)")
+    return 1 if r["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
