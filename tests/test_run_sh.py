@@ -72,7 +72,7 @@ def test_a_server_that_dies_at_start_is_a_readable_error(tmp_path, tiny_model_di
     r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml",
                f"model_name_or_path={tiny_model_dir}", "train_gpus=0,1", f"output_dir={tmp_path}/run", timeout=120)
     assert r.returncode != 0
-    assert "vllm serve exited before it was healthy" in r.stderr and "no kernel image" in r.stderr
+    assert "the vLLM server exited before it was healthy" in r.stderr and "no kernel image" in r.stderr
 
 
 def test_a_bad_recipe_fails_before_anything_is_launched(tmp_path):

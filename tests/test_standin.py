@@ -61,7 +61,7 @@ def test_completion_schema_real_token_ids_and_logprobs(srv, tiny, tok):
     assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
     c = out["choices"][0]
     assert set(c) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs",
-                      "prompt_token_ids", "routed_experts", "weight_versions"}
+                      "prompt_token_ids", "routed_experts"}          # vLLM 0.32 has no weight_versions
     ids, lps = c["token_ids"], c["logprobs"]["token_logprobs"]
     assert c["prompt_token_ids"] == p and len(ids) == len(lps) == 12 and c["finish_reason"] == "length"
     assert tok.decode(ids, skip_special_tokens=False) == c["text"]
@@ -90,7 +90,8 @@ def test_n_choices_and_several_prompts(srv, tok):
     assert [c["prompt_token_ids"] for c in out["choices"]] == [p1] * 3 + [p2] * 3
     assert out["usage"]["prompt_tokens"] == len(p1) + len(p2)        # each prompt once, not n times
     assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
-    assert complete(srv, prompt=[], max_tokens=2).json()["choices"] == []    # vLLM: zero prompts, 200
+    assert error(complete(srv, prompt=[], max_tokens=2)) == (400, {"message": "You must pass at least one prompt",
+                                                                   "type": "BadRequestError", "param": None, "code": 400})
 
 
 def free_run(s, p, seed, **kw):
@@ -149,7 +150,7 @@ def test_request_errors_match_vllm(srv, tok):
     assert len(c["token_ids"]) == 4 and c["finish_reason"] == "length"    # prompt + max_tokens > 512: clamped
     assert error(complete(srv, prompt=[[]]))[1]["message"] == "The decoder prompt cannot be empty"
     status, e = error(complete(srv, prompt=""))
-    assert status == 400 and e["type"] == "Bad Request" and e["param"] == "prompt"
+    assert status == 400 and e["type"] == "BadRequestError" and e["param"] == "prompt"   # 0.32: not a validation list
     status, e = error(complete(srv, prompt=[5], stop=list("abcde")))
     assert status == 400 and e["param"] == "body.stop" and "at most 4 items" in e["message"]
     assert error(complete(srv, prompt=[5, 100000]))[1]["message"] == "Token id 100000 is out of vocabulary"
@@ -199,7 +200,7 @@ def test_fault_counters(srv):
     srv.faults.set_engine_dead()
     assert requests.get(srv.url + "/health", timeout=T).status_code == 503
     status, e = error(complete(srv, **body))
-    assert status == 500 and e["message"] == "The server had an error while processing your request."
+    assert status == 500 and e["message"] == "EngineCore encountered an issue. See stack trace (above) for the root cause."
     srv.faults.clear()
     assert requests.get(srv.url + "/health", timeout=T).status_code == 200
 
@@ -284,19 +285,24 @@ def test_reload_weights_changes_completions(tiny_model_dir, tok, tmp_path):
         assert after != before and s.reloads == 1 and s.last_weights_path == str(tmp_path / "step_1")
         assert post(s, "/collective_rpc", {"method": "reload_weights", "args": [None, tiny_model_dir]}).status_code == 200
         assert greedy(s, prompts) == before and s.reloads == 2
+        assert error(post(s, "/collective_rpc", {"method": "frobnicate"}))[1]["message"] == \
+            "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute " \
+            "'frobnicate'', please check the stack trace above for the root cause"
+        assert error(post(s, "/collective_rpc", {"args": []}))[0] == 400
+        assert s.reloads == 2 and greedy(s, prompts) == before, "a failed call of another method leaves the model as it was"
         reload = lambda path: error(post(s, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}))
         status, e = reload(str(tmp_path / "nope"))
-        assert status == 500 and e == {"message": "Call to collective_rpc method failed: Repo id must be in the form "
-                                       "'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` argument if "
-                                       "needed.", "type": "InternalServerError", "param": None, "code": 500}
+        assert status == 500 and e == {"message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
+                                       "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+                                       "argument if needed.', please check the stack trace above for the root cause",
+                                       "type": "InternalServerError", "param": None, "code": 500}
         (tmp_path / "empty").mkdir()
-        assert reload(str(tmp_path / "empty"))[1]["message"] == \
-            "Call to collective_rpc method failed: Cannot find any model weights with `<path>`"
+        assert "Cannot find any model weights with `<path>`" in reload(str(tmp_path / "empty"))[1]["message"]
         assert error(post(s, "/collective_rpc", {"method": "reload_weights", "args": [str(tmp_path)]}))[0] == 500
-        assert error(post(s, "/collective_rpc", {"method": "frobnicate"}))[1]["message"] == \
-            "Call to collective_rpc method failed: Method 'frobnicate' is not implemented."
-        assert error(post(s, "/collective_rpc", {"args": []}))[0] == 400
-        assert s.reloads == 2 and greedy(s, prompts) == before
+        # as in vLLM 0.32: a failed reload leaves the model half-loaded, and the next forward kills the engine
+        dead = complete(s, prompt=prompts[0], max_tokens=4)
+        assert dead.status_code == 500 and "EngineCore encountered an issue" in dead.json()["error"]["message"]
+        assert requests.get(s.url + "/health", timeout=5).status_code == 503 and s.reloads == 2
 
 
 def test_dev_routes_are_404_without_dev_mode(tiny_model_dir):
@@ -310,8 +316,9 @@ def test_dev_routes_are_404_without_dev_mode(tiny_model_dir):
 
 
 def test_weight_transfer_routes(srv, tiny_model_dir):
-    not_configured = ("Call to collective_rpc method failed: Weight transfer not configured. "
-                      "Please set weight_transfer_config to enable weight transfer.")
+    not_configured = ("Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
+                      "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
+                      "for the root cause")
     status, e = error(post(srv, "/start_weight_update"))
     assert status == 500 and e["message"] == not_configured and e["type"] == "InternalServerError"
     assert requests.get(srv.url + "/get_world_size", timeout=T).json() == {"world_size": 1}
@@ -332,7 +339,7 @@ def test_weight_transfer_routes(srv, tiny_model_dir):
         assert s.weight_version == "3" and [c["route"] for c in s.weight_transfer_calls][-3:] == \
             ["start_weight_update", "update_weights", "finish_weight_update"]
         c = complete(s, prompt=[5], max_tokens=2, ignore_eos=True, return_weight_versions=True).json()["choices"][0]
-        assert c["weight_versions"] == [{"version": "3", "start": 0, "end": 2}]
+        assert "weight_versions" not in c, "vLLM 0.32 ignores return_weight_versions (an unknown field)"
 
 
 def test_callable_backend(tiny_model_dir):

@@ -119,25 +119,48 @@ def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):
     assert "seed: 1" in (tmp_path / "run" / "config.yaml").read_text()
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_model_dir):
-    import signal
+def start_long_run(tmp_path, tiny_model_dir, *overrides):
     import subprocess
     import sys
     import time
     run = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml",
                           f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={run}", "max_steps=200",
-                          "prompts_per_step=2", "num_generations=2", "max_tokens=8", "save_steps=0"],
+                          "prompts_per_step=2", "num_generations=2", "max_tokens=8", "save_steps=0", *overrides],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    return p, run
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_model_dir, sig):
+    import signal
+    p, run = start_long_run(tmp_path, tiny_model_dir)
+    p.send_signal(getattr(signal, sig))
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err[-2000:]
     steps = len((run / "metrics.jsonl").read_text().splitlines())
-    assert 1 <= steps < 200 and f"SIGTERM: stopped after step {steps}" in out
+    assert 1 <= steps < 200 and f"{sig}: stopped after step {steps}" in out and "Traceback" not in err
     assert (run / f"checkpoint-{steps}" / "trainer_state.pt").is_file()
     hist = M.train(recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"max_steps={steps + 1}",
                               "prompts_per_step=2", "num_generations=2", "max_tokens=8", "resume_from_checkpoint=auto"))
     assert [h["step"] for h in hist] == [steps + 1]
+
+
+def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    """Two Ctrl-C in a row: the first asks to finish the step, the second aborts mid-step."""
+    import signal
+    import time
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\n\ndef slow_reward(completions, **_):\n    time.sleep(3)\n    return [0.0] * len(completions)\n")
+    p, run = start_long_run(tmp_path, tiny_model_dir, f"turn_reward_funcs=[{slow}:slow_reward]")
+    time.sleep(0.5)                     # inside a step: its reward takes 3 s
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t = time.time()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and time.time() - t < 2, err[-2000:]
+    assert "Ctrl-C: finishing this step" in out and "aborted by a second Ctrl-C" in err and "Traceback" not in err

@@ -225,7 +225,7 @@ def test_training_against_the_server_syncs_every_step_and_before_generating_afte
     assert server.reloads == 3, "once before step 1 (the server may hold other weights), then after each step"
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(m["time/weight_sync"] > 0 for m in lines)
-    assert {r["cache_salt"].split("-")[1] for r in completions(server)} == {"v0", "v1"}
+    assert {r["cache_salt"].split("-")[1] for r in completions(server)} == {"v0", "v1", "probe"}   # probe: the sync check
     assert len({r["cache_salt"].split("-")[0] for r in completions(server)}) == 1, "one run, one salt prefix"
     mark = len(server.requests)
     M.train(recipe_cfg(tmp_path, *common, "max_steps=3", "resume_from_checkpoint=auto"))
@@ -240,3 +240,69 @@ def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
     out = client.generate([[5, 6, 7]] * 3, [6] * 3, temperature=0.0)
     assert [r["body"]["n"] for r in completions(server)] == [1]
     assert out[0].ids == out[1].ids == out[2].ids and out[0].ids
+
+
+def standin_process(model_dir, tmp_path):
+    """The stand-in in a process of its own, so that a test can kill it like a crashed server."""
+    import subprocess
+    port, log = M.free_port(), tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "vllm_standin.py"), "--model", model_dir,
+                             "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + 60
+    while time.time() < deadline:
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except requests.RequestException:
+            time.sleep(0.2)
+    raise AssertionError("the stand-in did not start: " + log.read_text())
+
+
+def trainer_against(url, model_dir, tmp_path, *overrides):
+    import subprocess
+    return subprocess.Popen([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
+                             "model_builder=", f"vllm_server_url={url}", f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm",
+                             "prompts_per_step=2", "num_generations=2", "max_tokens=8", "max_steps=500", "save_steps=2",
+                             "request_deadline=1800", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MTGRPO_VLLM_LOG": str(tmp_path / "server.log")})
+
+
+def wait_for(path, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not path.exists():
+        time.sleep(0.2)
+    assert path.exists(), f"{path} never appeared"
+
+
+def test_a_dead_server_stops_the_run_within_server_dead_timeout_with_its_log(tiny_model_dir, tmp_path):
+    server, url, log = standin_process(tiny_model_dir, tmp_path)
+    trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=5")
+    wait_for(tmp_path / "run" / "checkpoint-2")
+    server.kill()                                    # the process is gone: connections are refused from now on
+    t = time.time()
+    out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 1, err[-2000:]
+    assert time.time() - t < 5 + 25, "stopped after server_dead_timeout, not after request_deadline (1800 s)"
+    assert f"the vLLM server at {url} has not been healthy for" in err and "Last lines of the server's log" in err
+    assert "vLLM 0.32 stand-in:" in err, "the server log's tail is part of the error"
+    done = M.find_checkpoint(M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"]))
+    assert done and os.path.isfile(os.path.join(done, "model.safetensors")), "the last checkpoint stays usable"
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_dir, tmp_path, sig):
+    import signal
+    server, url, log = standin_process(tiny_model_dir, tmp_path)
+    trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=600")
+    wait_for(tmp_path / "run" / "checkpoint-2")
+    server.kill()
+    time.sleep(3)                                    # the client is now retrying a refused connection
+    t = time.time()
+    trainer.send_signal(getattr(signal, sig))
+    out, err = trainer.communicate(timeout=60)
+    assert time.time() - t < 15 and trainer.returncode == 1, err[-2000:]
+    assert "stopped (SIGTERM or Ctrl-C) while retrying" in err and "saved checkpoints are unaffected" in err
+    assert "Traceback" not in err
+    done = M.find_checkpoint(M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"]))
+    assert done and os.path.isfile(os.path.join(done, "trainer_state.pt"))

