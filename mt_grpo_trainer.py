@@ -60,6 +60,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import queue
 import random
@@ -71,6 +72,7 @@ import threading
 import time
 import typing
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
 import requests
@@ -101,123 +103,123 @@ class Config:
     """Tool functions as `file.py:function`; the model calls each by its function name."""
     turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
     """Turn-level reward functions (`file.py:function`), scored on the turns before the first tool result."""
-    turn_reward_weights: list[float] = field(default_factory=list)
+    turn_reward_weights: Annotated[list[float], "finite"] = field(default_factory=list)
     """Weights of `turn_reward_funcs` (empty = all 1.0)."""
     outcome_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:exact_answer_reward"])
     """Outcome-level reward functions (`file.py:function`), scored on the whole episode."""
-    outcome_reward_weights: list[float] = field(default_factory=list)
+    outcome_reward_weights: Annotated[list[float], "finite"] = field(default_factory=list)
     """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
     tool_format: str = "xml"
     """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
     thinking_retention: str = "template"
     """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep every past thinking block)."""
-    thinking_compaction_turns: int = 0
+    thinking_compaction_turns: Annotated[int, ">= 0"] = 0
     """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per N; 0 = never)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 without thinking."""
-    tool_timeout: float = 30.0
+    tool_timeout: Annotated[float, "> 0"] = 30.0
     """Seconds a tool call may run; past it the model gets an error result and the episode goes on."""
-    tool_output_max_chars: int = 8000
+    tool_output_max_chars: Annotated[int, ">= 1"] = 8000
     """A tool result longer than this is cut (with a note saying so) before it is tokenized."""
     tokenization_check: str = "ignore_strippable"
     """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
-    prompts_per_step: int = 8
+    prompts_per_step: Annotated[int, ">= 1"] = 8
     """Distinct prompts per step (P); each is rolled out `num_generations` times."""
-    num_generations: int = 8
+    num_generations: Annotated[int, ">= 2"] = 8
     """Episodes per prompt (G): the group that GRPO normalises rewards within."""
-    max_env_steps: int = 2
+    max_env_steps: Annotated[int, ">= 0"] = 2
     """Most tool calls per episode; a call beyond it ends the episode unexecuted."""
-    max_tokens: int = 64
+    max_tokens: Annotated[int, ">= 1"] = 64
     """Most new tokens the model may sample in one assistant turn."""
-    max_seq_len: int = 512
+    max_seq_len: Annotated[int, ">= 2"] = 512
     """Context budget: prompt plus sampled tokens of one sample never exceed it."""
-    temperature: float = 1.0
+    temperature: Annotated[float, "(0, 2]"] = 1.0
     """Sampling temperature; the trainer scores tokens at the same temperature."""
-    top_p: float = 1.0
+    top_p: Annotated[float, "(0, 1]"] = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
     # --- advantages
     advantage_mode: str = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
-    turn_advantage_coef: float = 1.0
+    turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
     """Divide group-centred rewards by the group std (False = centre only, as in Dr. GRPO)."""
     # --- loss
-    epsilon: float = 0.2
+    epsilon: Annotated[float, "[0, 1]"] = 0.2
     """PPO clip range below 1: ratios under 1 - epsilon are clipped."""
-    epsilon_high: float = 0.2
+    epsilon_high: Annotated[float, ">= 0"] = 0.2
     """PPO clip range above 1: ratios over 1 + epsilon_high are clipped (DAPO's clip-higher)."""
-    beta: float = 0.0
+    beta: Annotated[float, ">= 0"] = 0.0
     """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
     loss_aggregation: str = "token_mean"
     """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean of per-sample means)."""
     mask_truncated_completions: bool = False
     """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group)."""
-    num_iterations: int = 1
+    num_iterations: Annotated[int, ">= 1"] = 1
     """Optimizer updates per rollout batch; above 1, old logprobs are recomputed before the first."""
-    is_ratio_cap: float = 2.0
+    is_ratio_cap: Annotated[float, ">= 0"] = 2.0
     """Cap of the trainer/sampler importance weight exp(old - sampler) per token (0 = no correction)."""
     # --- optimisation
-    learning_rate: float = 1e-6
+    learning_rate: Annotated[float, "> 0"] = 1e-6
     """Peak AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, ">= 0"] = 0.0
     """AdamW weight decay."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_betas: Annotated[list[float], "[0, 1)"] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, ">= 0"] = 1.0
     """Gradient clipping norm (0 = off)."""
     lr_scheduler: str = "constant"
     """constant | linear | cosine, after warmup."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, ">= 0"] = 0
     """Optimizer updates of linear learning-rate warmup."""
-    max_steps: int = 100
+    max_steps: Annotated[int, ">= 1"] = 100
     """Training steps (one rollout batch each)."""
-    micro_batch_size: int = 16
+    micro_batch_size: Annotated[int, ">= 1"] = 16
     """Samples per forward/backward pass; gradients accumulate over the batch."""
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: Annotated[int, ">= 0"] = 0
     """Token budget of a micro-batch (samples x longest, padding included), filled longest-first so padding stays small (0 = `micro_batch_size` samples per micro-batch)."""
     mixed_precision: str = "auto"
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    seed: int = 0
+    seed: Annotated[int, ">= 0"] = 0
     """Seed for data order, sampling and initialisation."""
     # --- evaluation
     eval_dataset: str = ""
     """Held-out prompts for evaluation, as `dataset` ('' = no evaluation)."""
-    eval_steps: int = 0
+    eval_steps: Annotated[int, ">= 0"] = 0
     """Evaluate every N training steps (0 = only with the `eval` command)."""
-    eval_max_examples: int = 0
+    eval_max_examples: Annotated[int, ">= 0"] = 0
     """Evaluate on the first N rows of `eval_dataset` (0 = all)."""
     # --- scale: the vLLM server and several GPUs
     vllm_server_url: str = ""
     """Sample from a running `vllm serve` at this URL, e.g. http://127.0.0.1:8000 ('' = the in-process sampler)."""
-    max_concurrent_requests: int = 256
+    max_concurrent_requests: Annotated[int, ">= 1"] = 256
     """Most completion requests one rank keeps in flight to the server."""
-    request_timeout: float = 600.0
+    request_timeout: Annotated[float, "> 0"] = 600.0
     """Seconds one HTTP attempt may take before it is retried."""
-    request_deadline: float = 1800.0
+    request_deadline: Annotated[float, "> 0"] = 1800.0
     """Seconds a request may take with all its retries (exponential backoff) before the run stops with an error."""
     weight_sync: str = "filesystem"
     """filesystem (safetensors + reload_weights) | nccl (vLLM's native weight-transfer endpoints; needs vllm on the trainer)."""
     weight_sync_dir: str = "/dev/shm/mt-grpo"
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
-    sync_every: int = 1
+    sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
-    sync_check_max_diff: float = 0.1
+    sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no check)."""
-    server_dead_timeout: float = 60.0
+    server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
     vllm_gpus: str = "7"
     """run.sh: CUDA devices for `vllm serve`."""
     train_gpus: str = "0,1,2,3,4,5,6"
     """run.sh: CUDA devices for torchrun, one training rank each."""
-    vllm_gpu_memory_utilization: float = 0.85
+    vllm_gpu_memory_utilization: Annotated[float, "(0, 1]"] = 0.85
     """run.sh: `vllm serve --gpu-memory-utilization`."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
-    distributed_timeout: float = 1800.0
+    distributed_timeout: Annotated[float, "> 0"] = 1800.0
     """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
     # --- logging and checkpoints
     output_dir: str = ""
@@ -226,9 +228,9 @@ class Config:
     """none | wandb (set WANDB_MODE=offline to log without network)."""
     wandb_project: str = "mt-grpo"
     """wandb project name."""
-    log_episodes_steps: int = 10
+    log_episodes_steps: Annotated[int, ">= 0"] = 10
     """Dump the step's episodes, with the exact tensors trained, to episodes.jsonl every N steps (0 = off)."""
-    save_steps: int = 0
+    save_steps: Annotated[int, ">= 0"] = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume_from_checkpoint: str = ""
     """'' (fresh run) | auto (latest checkpoint in output_dir, if any) | PATH to a checkpoint folder."""
@@ -258,6 +260,23 @@ RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:tr
                                    list("tTfF"))
 
 
+def _no_duplicate_keys(loader, node, deep=False):
+    """A key written twice is an error: YAML would silently keep the last value (a copied recipe with an
+    appended `learning_rate:` would train at it without a word)."""
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                              f"{' of ' + key_node.start_mark.name if key_node.start_mark.name != '<unicode string>' else ''}; "
+                              "keep one")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
 def field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it (read from this file's source)."""
     tree = ast.parse(inspect.getsource(Config))
@@ -266,6 +285,23 @@ def field_docs() -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = nxt.value.value
     return docs
+
+
+def in_range(value: float, interval: str) -> bool:
+    """`value` against an interval written beside a field: '[a, b]', '(a, b]', '[a, b)', '>= a', '> a' or
+    'finite' (every numeric key must be finite anyway)."""
+    if interval == "finite":
+        return True
+    if interval[0] in "[(":
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
+    op, bound = interval.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def field_ranges() -> dict[str, str]:
+    """Field name -> its valid range, from `Annotated[type, "range"]` in Config."""
+    return {k: h.__metadata__[0] for k, h in typing.get_type_hints(Config, include_extras=True).items() if hasattr(h, "__metadata__")}
 
 
 def _coerce(name: str, value, typ):
@@ -295,7 +331,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raw = yaml.load(f, Loader=RecipeLoader) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
-    hints, allowed = typing.get_type_hints(Config), choices()
+    hints, allowed, ranges = typing.get_type_hints(Config), choices(), field_ranges()
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
@@ -311,6 +347,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         values[k] = _coerce(k, v, hints[k])
         if k in allowed and values[k] not in allowed[k]:
             raise ConfigError(f"config key '{k}' must be one of {', '.join(allowed[k])}, got {v!r}")
+        if k in ranges and not all(math.isfinite(x) and in_range(x, ranges[k]) for x in np.atleast_1d(values[k])):
+            kind = ranges[k] if ranges[k][0] in "<>f" else "in " + ranges[k]
+            raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
     for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
         w = getattr(cfg, weights)
@@ -318,8 +357,6 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
     if len(cfg.adam_betas) != 2:
         raise ConfigError(f"adam_betas must be two numbers [beta1, beta2], got {cfg.adam_betas}")
-    if cfg.num_generations < 2:
-        raise ConfigError("num_generations must be >= 2: GRPO normalises rewards within a group")
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
     return cfg
@@ -375,6 +412,7 @@ class Episode:
     end_reason: str = ""                                    # answer | no_action | empty | max_env_steps | truncated | context
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_output_replaced: int = 0                           # characters of tool output the tokenizer could not take
     first_result_turn: int | None = None                    # first assistant turn after a tool result
     forks: int = 0
     rewards: dict[str, float] = field(default_factory=dict)
@@ -423,10 +461,10 @@ def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[fl
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
             raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
         for i, (ep, v) in enumerate(zip(episodes, vals)):
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise RewardError(f"{where} returned {v!r:.100} for episode {i}, not a number") from None
+            if not (isinstance(v, (numbers.Real, np.bool_)) or (torch.is_tensor(v) and v.ndim == 0)):
+                raise RewardError(f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
+                                  "return ints, floats or bools (numpy and 0-d torch scalars are fine)")
+            v = float(v)
             if not math.isfinite(v):
                 raise RewardError(f"{where} returned {v} for episode {i}")
             ep.rewards[name] = v
@@ -817,19 +855,23 @@ class MultiTurnToolEnv:
         deadline, results = time.monotonic() + self.cfg.tool_timeout, []
         for (ep, call), fut in zip(pending, futures):
             try:
-                if isinstance(fut, Exception):
-                    raise fut
-                try:
-                    out = str(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-                except concurrent.futures.TimeoutError:
-                    self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
-                    raise TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s") from None
-                cap = self.cfg.tool_output_max_chars
-                results.append(out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]")
-            except Exception as e:  # noqa: BLE001 - any tool failure is reported to the model, never raised
+                # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
+                # arrives while we wait is raised here, in the main thread, and stops the run.
+                err = fut if isinstance(fut, Exception) else fut.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
+                err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
+            out = None if err else fut.result()
+            if err or out is None:
                 ep.tool_errors += 1
-                results.append(f"Error: {type(e).__name__}: {e}")
-            ep.messages.append(self.fmt.result(results[-1]))
+                out = f"Error: {type(err).__name__}: {err}" if err else "Error: the tool returned None"
+            out = str(out)
+            cap = self.cfg.tool_output_max_chars
+            out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
+            clean = out.encode("utf-8", "replace").decode("utf-8")   # lone surrogates cannot be tokenized: '?'
+            ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
+            results.append(clean)
+            ep.messages.append(self.fmt.result(clean))
         return results
 
     def step(self, ep: Episode, c: Completion) -> list:
@@ -1109,13 +1151,14 @@ def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], rewa
 # === 8. CLI ==============================================================================
 
 def print_help():
-    docs, hints, allowed = field_docs(), typing.get_type_hints(Config), choices()
+    docs, hints, allowed, ranges = field_docs(), typing.get_type_hints(Config), choices(), field_ranges()
     print(__doc__.split("\n\nThe invariants")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
           "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
           "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n\nrecipe keys:")
     for f in dataclasses.fields(Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         one_of = f"; one of {', '.join(allowed[f.name])}" if f.name in allowed else ""
+        one_of += f", range {ranges[f.name]}" if f.name in ranges else ""
         print(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}, default {default!r}{one_of})\n"
               f"      {docs.get(f.name, '')}")
 
@@ -1133,6 +1176,8 @@ def main(argv=None):
     try:
         cfg = load_config(recipe, argv[1:] if recipe else argv)
         train(cfg, eval_only)
+        if "RANK" in os.environ:   # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
+            exit_now(0)
     except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
@@ -1152,7 +1197,7 @@ def exit_now(code: int):
     """Exit without waiting on collectives or worker threads another rank might never finish."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code) if dist.is_initialized() else sys.exit(code)
+    os._exit(code) if dist.is_initialized() or "RANK" in os.environ else sys.exit(code)
 
 
 # ######################################################################################
@@ -1168,7 +1213,7 @@ class Run:
 
     def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
-        self.start, self.logger, self.handlers = 0, None, {}
+        self.start, self.logger, self.handlers, self.lock = 0, None, {}, None
         self.stop, self.stop_signal = threading.Event(), ""   # set by SIGTERM or a first Ctrl-C (see on_signal)
 
     def say(self, msg: str):
@@ -1246,7 +1291,11 @@ class Run:
                 self.sampler.cleanup()
             if self.main:
                 summarize(self.cfg, history)
+        if self.lock:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock)
         if dist.is_initialized():
+            dist.barrier()   # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
             dist.destroy_process_group()
         return history
 
@@ -1262,7 +1311,12 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg)
     if run.main:
-        prepare_output_dir(cfg, ckpt, eval_only, run.say)
+        try:
+            run.lock = None if eval_only else hold_output_dir(cfg, run.say)
+            prepare_output_dir(cfg, ckpt, eval_only, run.say)
+        except OSError as e:
+            raise ConfigError(f"cannot write the run folder '{cfg.output_dir}': {e.strerror or e}; set output_dir to "
+                              "a folder you can write to") from None
         build_model_if_missing(cfg, run.say)
     if dist.is_initialized():
         dist.barrier()   # the model folder exists for every rank
@@ -1306,6 +1360,43 @@ def load_plugins(run: Run, eval_only: bool):
                           "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
     if eval_only and not run.eval_rows:
         raise ConfigError("eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows")
+
+
+def hold_output_dir(cfg: Config, say) -> str:
+    """Rank 0: a run holds its folder with a lock file beside it (`<output_dir>.lock`: PID, host, start), so a
+    second run on the same folder refuses instead of mixing its files in. A lock left by a dead run is taken over."""
+    lock, me = cfg.output_dir.rstrip("/") + ".lock", {"pid": os.getpid(), "host": os.uname().nodename}
+    os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
+    for _ in range(3):
+        try:
+            with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+                json.dump({**me, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+            return lock
+        except FileExistsError:
+            try:
+                with open(lock) as f:
+                    holder = json.load(f)
+            except (OSError, ValueError):
+                holder = {}
+            if holder.get("host", me["host"]) != me["host"] or (holder.get("pid") != me["pid"] and pid_alive(holder.get("pid"))):
+                raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {holder.get('pid')} on "
+                                  f"{holder.get('host')} (since {holder.get('started')}): wait for it, or choose another "
+                                  f"output_dir. If that run is gone, delete {lock}.") from None
+            if holder.get("pid") != me["pid"]:
+                say(f"[mt-grpo] {lock} was left by a run that is gone (PID {holder.get('pid')}): taking it over")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+    raise ConfigError(f"could not take the lock {lock}: other runs keep taking it")
+
+
+def pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:   # it exists, as another user's
+        return True
+    return True
 
 
 def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
@@ -1377,6 +1468,7 @@ def rollout_metrics(eps: list[Episode]) -> dict:
     samples = [s for e in eps for s in e.samples]
     return {"rollout/turns": sum(len(e.turns) for e in eps) / n, "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
             "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
+            "rollout/tool_output_replaced": sum(e.tool_output_replaced for e in eps),
             "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
             "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
             "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
@@ -1404,7 +1496,7 @@ class MetricsLogger:
     """One dict per step: every rank's means, averaged on rank 0 (ranks hold equally many episodes;
     counts are summed), to metrics.jsonl, wandb and one console line; every `log_episodes_steps`
     steps (and at a run's first step) the step's episodes, with the exact tensors trained, to episodes.jsonl."""
-    COUNTS = ("rollout/tokenization_mismatch", "rollout/rejected_nonfinite")
+    COUNTS = ("rollout/tokenization_mismatch", "rollout/rejected_nonfinite", "rollout/tool_output_replaced")
 
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
         self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
@@ -1915,6 +2007,12 @@ def load_rows(spec: str) -> list[dict]:
         rows = list(load_object(spec, "dataset function")())
     if not rows or any("prompt" not in r for r in rows):
         raise ConfigError(f"dataset '{spec}' is empty or has rows without a 'prompt' column")
+    cols = set(rows[0])   # reward functions get every column for every episode: a missing one must not become None
+    for i, r in enumerate(rows):
+        if set(r) != cols:
+            missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
+            raise ConfigError(f"dataset '{spec}': row {i} " + (f"lacks column(s) {', '.join(missing)}" if missing else
+                              f"has column(s) {', '.join(extra)}") + " that row 0 does not; every row needs the same columns")
     return rows
 
 

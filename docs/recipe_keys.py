@@ -15,27 +15,29 @@ HEAD = """# Recipe keys
 
 A recipe is a YAML file whose keys map 1:1 to the fields of `Config` in `mt_grpo_trainer.py`; `key=value`
 arguments after the recipe override them.
-- An unknown key is an error naming the closest valid key; a wrong type is an error naming the key.
+- An unknown key is an error naming the closest valid key; a wrong type, a value outside its range (the
+  "valid" column) or a key written twice is an error naming the key.
 - Numbers written as YAML strings (`1e-6`) are accepted for float keys; only `true`/`false` are booleans,
   so `tokenization_check: off` stays the string `off`.
 - The resolved config is saved as `<output_dir>/config.yaml`, which loads again as a recipe.
 
 This table is generated from `Config` by [`recipe_keys.py`](recipe_keys.py), as `--help` is.
 
-| key | type | default | meaning |
-|---|---|---|---|
+| key | type | default | valid | meaning |
+|---|---|---|---|---|
 """
 
 
 def table() -> str:
-    docs, hints = M.field_docs(), typing.get_type_hints(M.Config)
+    docs, hints, ranges, allowed = M.field_docs(), typing.get_type_hints(M.Config), M.field_ranges(), M.choices()
     rows = []
     for f in dataclasses.fields(M.Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = "(XML protocol prompt)" if f.name == "system_prompt" else repr(default)
         typ = getattr(hints[f.name], "__name__", str(hints[f.name]))
         typ = str(hints[f.name]) if typing.get_origin(hints[f.name]) else typ
-        rows.append(f"| `{f.name}` | {typ} | `{shown}` | {docs[f.name].replace('|', chr(92) + '|')} |")
+        valid = ranges.get(f.name) or " \\| ".join(allowed.get(f.name, ()))
+        rows.append(f"| `{f.name}` | {typ} | `{shown}` | {valid} | {docs[f.name].replace('|', chr(92) + '|')} |")
     return HEAD + "\n".join(rows) + "\n"
 
 

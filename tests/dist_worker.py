@@ -53,4 +53,6 @@ if __name__ == "__main__":
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save({"state": sd, "metrics": metrics}, out)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()   # as Run.close: no rank tears gloo down while another still uses it
         torch.distributed.destroy_process_group()
+    M.exit_now(0)   # as main() under torchrun: no C++ teardown, where gloo's threads can abort a finished rank

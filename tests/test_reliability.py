@@ -1,0 +1,158 @@
+"""What broke when the trainer was tried as a new user would, each now a defined outcome: the run goes on
+with the fault counted, or it stops at once with one line that names the cause and the fix."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mt_grpo_trainer as M
+from conftest import ROOT, recipe_cfg
+from test_env import ScriptedSampler
+
+TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "mt_grpo_trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    line = [x for x in r.stderr.splitlines() if x.startswith("mt-grpo: error")]
+    assert len(line) == 1 and all(n in line[0] for n in needles), r.stderr[-2000:]
+
+
+# --- 1. two runs on one output_dir -------------------------------------------------------------------
+
+def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    common = [TOY, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={run}", "prompts_per_step=2",
+              "num_generations=2", "max_tokens=8", "save_steps=2", "eval_steps=0"]
+    first = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", *common, "max_steps=500"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "checkpoint-2").is_dir():
+        time.sleep(0.2)
+    second = cli(*common, "max_steps=3", "seed=1")
+    one_line_error(second, f"output_dir '{run}' is in use by the run with PID {first.pid}", "choose another output_dir")
+    assert "seed: 0" in (run / "config.yaml").read_text(), "the second run touched nothing"
+    first.send_signal(signal.SIGKILL)                # a hard crash leaves its lock behind
+    first.wait(timeout=30)
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)), "one run's steps only"
+    third = cli(*common, "max_steps=3", "seed=1")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"was left by a run that is gone (PID {first.pid}): taking it over" in third.stdout
+    assert not os.path.exists(f"{run}.lock"), "a finished run lets go of its folder"
+    assert "seed: 1" in (run / "config.yaml").read_text() and any(p.name.startswith("run.") for p in tmp_path.iterdir())
+
+
+# --- 2, 3 and "Also": what tools hand back -----------------------------------------------------------
+
+def test_any_tool_result_reaches_the_model_as_text_and_its_faults_are_counted(tok, tmp_path):
+    def surrogate(key: str) -> str:
+        """Returns text no tokenizer can encode."""
+        return "value \ud800 here"
+
+    def exits(key: str) -> str:
+        """Calls sys.exit, as a careless tool might."""
+        sys.exit(3)
+
+    def interrupts(key: str) -> str:
+        """Raises KeyboardInterrupt inside the tool."""
+        raise KeyboardInterrupt
+
+    def nothing(key: str) -> str:
+        """Returns None."""
+
+    def number(key: str) -> int:
+        """Returns an int."""
+        return 42
+
+    cfg = recipe_cfg(tmp_path, "max_env_steps=1")
+    env = M.MultiTurnToolEnv(tok, [surrogate, exits, interrupts, nothing, number], cfg)
+    call = '<tool>{"name": "%s", "args": {"key": "a"}}</tool>'
+    results = {}
+    for name in ("surrogate", "exits", "interrupts", "nothing", "number"):
+        [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [call % name, "<answer>a</answer>"]))
+        assert ep.end_reason == "answer", name     # the episode, and the run, go on
+        results[name] = (ep.completion[1]["content"], ep.tool_errors, ep.tool_output_replaced)
+    assert results["surrogate"] == ("<result>\nvalue ? here\n</result>", 0, 1)
+    assert results["exits"] == ("<result>\nError: SystemExit: 3\n</result>", 1, 0)
+    assert results["interrupts"] == ("<result>\nError: KeyboardInterrupt: \n</result>", 1, 0)
+    assert results["nothing"] == ("<result>\nError: the tool returned None\n</result>", 1, 0)
+    assert results["number"] == ("<result>\n42\n</result>", 0, 0)
+    assert M.rollout_metrics([ep])["rollout/tool_output_replaced"] == 0
+
+
+# --- 4. dataset columns ------------------------------------------------------------------------------
+
+def test_dataset_rows_must_share_their_columns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": "x"}\n{"prompt": "b"}\n')
+    with pytest.raises(M.ConfigError, match=r"row 1 lacks column\(s\) answer that row 0 does not; every row needs"):
+        M.load_rows(str(path))
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "answer": "x"}\n')
+    with pytest.raises(M.ConfigError, match=r"row 1 has column\(s\) answer that row 0 does not"):
+        M.load_rows(str(path))
+
+
+# --- 5, 6, 8. recipes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,message", [
+    ("temperature=0", "temperature must be in (0, 2], got 0"), ("temperature=-1", "temperature must be in (0, 2]"),
+    ("epsilon=-0.1", "epsilon must be in [0, 1], got -0.1"), ("max_steps=-1", "max_steps must be >= 1, got -1"),
+    ("top_p=0", "top_p must be in (0, 1], got 0"), ("prompts_per_step=0", "prompts_per_step must be >= 1, got 0"),
+    ("learning_rate=nan", "learning_rate must be > 0, got 'nan'"), ("learning_rate=inf", "learning_rate must be > 0"),
+    ("adam_betas=[0.9, 1.0]", "adam_betas must be in [0, 1)"), ("vllm_gpu_memory_utilization=1.5", "must be in (0, 1]")])
+def test_values_out_of_range_fail_before_anything_runs(tmp_path, override, message):
+    r = cli(TOY, override, f"output_dir={tmp_path}/run")
+    one_line_error(r, message)
+    assert not (tmp_path / "run").exists(), "nothing was written: not even config.yaml"
+
+
+def test_every_numeric_key_has_its_range_and_help_shows_it():
+    import dataclasses
+    import typing
+    ranges, hints = M.field_ranges(), typing.get_type_hints(M.Config)
+    numeric = [f.name for f in dataclasses.fields(M.Config) if hints[f.name] in (int, float, list[float])]
+    assert sorted(ranges) == sorted(numeric)
+    for f in dataclasses.fields(M.Config):   # every default is inside its own range
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert f.name not in ranges or all(M.in_range(x, ranges[f.name]) for x in np.atleast_1d(default)), f.name
+    h = cli("--help")
+    assert "temperature (float, default 1.0, range (0, 2])" in h.stdout
+
+
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(open(TOY).read() + "learning_rate: 1.0e-2\n")
+    first = next(i for i, x in enumerate(open(TOY).read().splitlines()) if x.startswith("learning_rate:")) + 1
+    last = len(recipe.read_text().splitlines())
+    with pytest.raises(M.ConfigError, match=f"recipe key 'learning_rate' is set twice, on lines {first} and {last} of {recipe}"):
+        M.load_config(str(recipe))
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, tiny_model_dir):
+    (tmp_path / "a_file").write_text("")
+    r = cli(TOY, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={tmp_path}/a_file/run")
+    one_line_error(r, f"cannot write the run folder '{tmp_path}/a_file/run'", "set output_dir to a folder you can write to")
+
+
+# --- "Also": what reward functions may return --------------------------------------------------------
+
+def test_rewards_must_be_real_numbers(tmp_path):
+    eps = [M.new_episode({"prompt": "q"}, "") for _ in range(4)]
+    ok = lambda completions, **_: [1, 0.5, np.float32(0.25), torch.tensor(True)]
+    assert M.score(eps, [ok], [1.0]) == [1.0, 0.5, 0.25, 1.0]
+    assert M.score(eps, [lambda completions, **_: [np.bool_(True), np.int64(2), False, 3]], [1.0]) == [1.0, 2.0, 0.0, 3.0]
+    for junk in ("1.0", None, torch.tensor([1.0, 2.0]), [1.0]):
+        with pytest.raises(M.RewardError, match="not a number but a"):
+            M.score(eps, [lambda completions, **_: [junk] * 4], [1.0])
