@@ -10,9 +10,8 @@ so the query that found the answer is credited for finding it, not only for the 
 One training step, as `train()` runs it: rollout -> reward -> advantage -> update -> sync -> log -> save.
 
 The invariants (each has tests; comments below cite them as I1-I6):
-  I1 token faithfulness. Every token with loss_mask 1 is a token the sampler sampled, at the position
-     where it was sampled, after exactly the context the sampler saw. Sampled text is never decoded
-     and re-encoded for training.
+  I1 token faithfulness. Every token with loss_mask 1 is a token the sampler sampled, at the position where it
+     was sampled, after exactly the context the sampler saw. Sampled text is never decoded and re-encoded for training.
   I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages
      have the same length.
   I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0.
@@ -25,14 +24,11 @@ The invariants (each has tests; comments below cite them as I1-I6):
      never becomes invented training tokens. Each is a counted outcome: an error result the model
      sees, a masked or dropped sample, a retried request, or an error that stops the run.
 
-Reading order: config, data types, the method as pure functions (rewards, advantages, loss), tool
-formats, the environment, the train step, the training loop, the CLI. Then an appendix of plumbing
-that a reader does not need in order to change the method: run set-up, logging, the samplers (the
-in-process one and the vLLM server client), distributed helpers, checkpoints, plug-in loading.
+Reading order: config, data types, the method as pure functions (rewards, advantages, loss), tool formats,
+the environment, the train step and loop, the CLI; then an appendix of plumbing the method does not depend on.
 
 Run:
-    bash run.sh                                              # embedded CPU default (toy task)
-    bash run.sh hf_recipes/toy/toy-kv--mt-grpo.yaml seed=2   # any recipe, with key=value overrides
+    bash run.sh [RECIPE.yaml [key=value ...]]                # train (default: the embedded CPU toy task)
     bash run.sh hf_recipes/Qwen/Qwen2.5-7B--mt-grpo.yaml     # GPUs: vllm serve on GPU 7, torchrun on 0-6
     bash run.sh eval hf_recipes/toy/toy-kv--mt-grpo.yaml     # greedy evaluation on eval_dataset
     bash run.sh test                                         # the test suite
@@ -43,9 +39,8 @@ Left out on purpose (and why):
 - sequence packing: micro-batches are padded (and bucketed by length), which keeps the loss code obvious;
 - Ray, and async/off-policy rollouts: one process per GPU, rollout and update take turns, so
   `breakpoint()` works and the policy is exactly on-policy (sync_every > 1 trades that for speed);
-- `model.generate` in the local sampler: its custom logits processors run before the temperature
-  and top-p warpers, so it cannot report the sampling distribution's logprobs without keeping
-  every step's full-vocabulary scores. A 30-line decode loop with a KV cache is exact and bounded.
+- `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
+  its sampling logprobs cost every step's full-vocabulary scores; a 30-line KV-cache decode loop is exact and bounded.
 """
 from __future__ import annotations
 
@@ -237,8 +232,7 @@ class Config:
 
 
 def choices() -> dict[str, tuple]:
-    """The values each variant key accepts. The registries (ADVANTAGE_MODES, LOSS_AGGREGATIONS,
-    TOOL_FORMATS) are the only source, so a mode registered from outside this file is a valid key too."""
+    """The values each variant key accepts, read from the registries: a mode registered from outside is valid too."""
     return {"advantage_mode": tuple(ADVANTAGE_MODES), "loss_aggregation": tuple(LOSS_AGGREGATIONS),
             "tool_format": tuple(TOOL_FORMATS), "lr_scheduler": ("constant", "linear", "cosine"),
             "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb"),
@@ -248,118 +242,6 @@ def choices() -> dict[str, tuple]:
 
 class ConfigError(ValueError):
     pass
-
-
-class RecipeLoader(yaml.SafeLoader):
-    """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off'."""
-
-
-RecipeLoader.yaml_implicit_resolvers = {k: [(t, r) for t, r in v if t != "tag:yaml.org,2002:bool"]
-                                        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
-RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                   list("tTfF"))
-
-
-def _no_duplicate_keys(loader, node, deep=False):
-    """A key written twice is an error: YAML would silently keep the last value (a copied recipe with an
-    appended `learning_rate:` would train at it without a word)."""
-    seen = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
-                              f"{' of ' + key_node.start_mark.name if key_node.start_mark.name != '<unicode string>' else ''}; "
-                              "keep one")
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep)
-
-
-RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
-
-
-def field_docs() -> dict[str, str]:
-    """Field name -> the docstring written under it (read from this file's source)."""
-    tree = ast.parse(inspect.getsource(Config))
-    body, docs = tree.body[0].body, {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value
-    return docs
-
-
-def in_range(value: float, interval: str) -> bool:
-    """`value` against an interval written beside a field: '[a, b]', '(a, b]', '[a, b)', '>= a', '> a' or
-    'finite' (every numeric key must be finite anyway)."""
-    if interval == "finite":
-        return True
-    if interval[0] in "[(":
-        lo, hi = (float(x) for x in interval[1:-1].split(","))
-        return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
-    op, bound = interval.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-
-
-def field_ranges() -> dict[str, str]:
-    """Field name -> its valid range, from `Annotated[type, "range"]` in Config."""
-    return {k: h.__metadata__[0] for k, h in typing.get_type_hints(Config, include_extras=True).items() if hasattr(h, "__metadata__")}
-
-
-def _coerce(name: str, value, typ):
-    """Check `value` against the field type. Numbers written as strings (YAML reads 1e-6 so) are accepted for
-    floats, and an int for a string key (`vllm_gpus: 7` means "7")."""
-    if typing.get_origin(typ) is list:
-        if isinstance(value, list):
-            return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
-    elif isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
-        return value
-    elif typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        with contextlib.suppress(ValueError):
-            return float(value)
-    elif typ is str and isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    kind = "a list" if typing.get_origin(typ) is list else typ.__name__
-    raise ConfigError(f"config key '{name}' must be {kind}, got {type(value).__name__}: {value!r}")
-
-
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail."""
-    raw = {}
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"recipe not found: {path}")
-        with open(path) as f:
-            raw = yaml.load(f, Loader=RecipeLoader) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
-    hints, allowed, ranges = typing.get_type_hints(Config), choices(), field_ranges()
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override '{ov}' must look like key=value")
-        k, v = ov.split("=", 1)
-        k = k.strip()
-        raw[k] = v if hints.get(k) is str else yaml.load(v, Loader=RecipeLoader) if v.strip() else ""
-    values = {}
-    for k, v in raw.items():
-        if k not in hints:
-            close = difflib.get_close_matches(k, hints, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
-            raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
-        values[k] = _coerce(k, v, hints[k])
-        if k in allowed and values[k] not in allowed[k]:
-            raise ConfigError(f"config key '{k}' must be one of {', '.join(allowed[k])}, got {v!r}")
-        if k in ranges and not all(math.isfinite(x) and in_range(x, ranges[k]) for x in np.atleast_1d(values[k])):
-            kind = ranges[k] if ranges[k][0] in "<>f" else "in " + ranges[k]
-            raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
-    cfg = Config(**values)
-    for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
-        w = getattr(cfg, weights)
-        if w and len(w) != len(getattr(cfg, funcs)):
-            raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
-    if len(cfg.adam_betas) != 2:
-        raise ConfigError(f"adam_betas must be two numbers [beta1, beta2], got {cfg.adam_betas}")
-    if not cfg.output_dir:
-        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
-    return cfg
 
 
 # === 2. Data types: what a rollout produces and the loss consumes ========================
@@ -440,8 +322,6 @@ def new_episode(row: dict, system_prompt: str) -> Episode:
 
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
-# --- rewards ----------------------------------------------------------------------------
-
 class RewardError(ConfigError):
     """A reward function raised, or returned the wrong length or a non-number: the run stops (I6)."""
 
@@ -473,8 +353,7 @@ def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[fl
 
 
 def check_rewards(rows: list[dict], funcs: list, system_prompt: str):
-    """Before any model work: score two dummy episodes on the first dataset rows, so a reward that
-    raises, needs a column the dataset lacks, or returns junk fails in seconds, not at step 1."""
+    """Score two dummy episodes before model work: a reward that raises, lacks a column or returns junk fails fast."""
     eps = [new_episode(r, system_prompt) for r in rows[:2]]
     for ep in eps:
         ep.messages.append({"role": "assistant", "content": "<reasoning>.</reasoning>\n<answer>.</answer>"})
@@ -524,9 +403,8 @@ def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = 
 
 
 def token_advantages(turn_idx, loss_mask, before: float, after: float, split_turn) -> list[float]:
-    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn
-    after a tool result; None = no tool result, so every turn is 'before'), `after` on later ones,
-    0 on tokens that are not trained."""
+    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn after a tool
+    result; None = no tool result, so every turn is 'before'), `after` on later ones, 0 on untrained tokens."""
     split = math.inf if split_turn is None else split_turn
     return [float(m) * (before if t < split else after) for t, m in zip(turn_idx, loss_mask)]
 
@@ -544,12 +422,9 @@ def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: l
                 s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
 
 
-# --- which samples train --------------------------------------------------------------------
-
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
-    """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6).
-    A sample with nothing sampled has nothing to train; with mask_truncated_completions, neither has
-    an episode cut by max_tokens or the context budget."""
+    """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6). Left out too:
+    samples with nothing sampled and, with mask_truncated_completions, episodes cut by max_tokens or the context."""
     samples = [s for ep in episodes for s in ep.samples if any(s.loss_mask)
                and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
     finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
@@ -579,15 +454,11 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
         loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
         r_t = exp(logp_t - old_t),  w_t = min(exp(old_t - sampler_t), is_ratio_cap)  (detached)
 
-    `old` is the trainer's own logprob before this batch's first update (the proximal policy); `w_t`
-    corrects for the sampler being a slightly different policy (bf16 on vLLM, other kernels). The
-    sampler's logprobs are those of the distribution it sampled from, top-p nucleus included, while
-    the trainer scores the full distribution at the same temperature: with top_p < 1, w_t also
-    carries that difference, by design (the nucleus is part of the behaviour policy).
-    The denominators (`num_tokens`, `num_seqs`) are those of the whole batch, so summing the losses
-    of micro-batches gives the gradient of the whole batch at once (gradient accumulation)."""
-    if aggregation not in LOSS_AGGREGATIONS:
-        raise ValueError(f"unknown loss_aggregation {aggregation!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    `old` is the trainer's own logprob before this batch's first update (the proximal policy); `w_t` corrects for
+    the sampler being a slightly different policy (bf16 on vLLM, other kernels) and, with top_p < 1, by design for
+    its nucleus: the sampler reports the nucleus distribution it drew from (part of the behaviour policy), the
+    trainer scores the full one. The denominators are the whole batch's, so summing micro-batch losses gives the
+    whole batch's gradient (gradient accumulation)."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
@@ -650,9 +521,8 @@ class XMLTools:
 
 
 class NativeTools:
-    """The chat template's own tool calling: tools go to it as JSON schemas, calls are parsed from
-    <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes) and results come back as role 'tool'.
-    Generation stops at EOS; a turn without a call is the answer."""
+    """The chat template's own tool calling: JSON schemas in, <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes)
+    calls out, results as role 'tool'. Generation stops at EOS; a turn without a call is the answer."""
     args_key, stop, eos_ends_turn = "arguments", (), True
 
     def __init__(self, tools):
@@ -687,11 +557,6 @@ class NativeTools:
 TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 
 
-def describe_tool(fn) -> str:
-    doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-    return f"- {fn.__name__}{inspect.signature(fn)}: {doc}"
-
-
 def tool_schema(fn) -> dict:
     """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
     doc = inspect.getdoc(fn) or ""
@@ -711,7 +576,9 @@ def tool_schema(fn) -> dict:
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
-    return cfg.system_prompt.replace("{tools}", "\n".join(describe_tool(f) for f in tools))
+    lines = [f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
+             for t in tools]   # name, signature, first paragraph of the docstring
+    return cfg.system_prompt.replace("{tools}", "\n".join(lines))
 
 
 def is_env_reply(m: dict) -> bool:
@@ -730,8 +597,7 @@ class SyncCheckError(RuntimeError):
 
 
 class MultiTurnToolEnv:
-    """Rollouts with tools, and the token buffers that become training samples (I1-I5). `next_prompt`
-    shows, with a worked example, how a sample grows turn by turn or forks (I4)."""
+    """Rollouts with tools and the token buffers that become samples (I1-I5); `next_prompt` shows one grow or fork."""
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.tok, self.cfg = tokenizer, cfg
@@ -746,8 +612,6 @@ class MultiTurnToolEnv:
 
     def new_episode(self, row: dict) -> Episode:
         return new_episode(row, self.system_prompt)
-
-    # --- rendering (I5) ---------------------------------------------------------------------
 
     def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
@@ -764,10 +628,9 @@ class MultiTurnToolEnv:
 
     def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None,
                keep: set[int] | None = None) -> str:
-        """The chat template's text for the conversation under thinking_retention. Turns kept verbatim
-        are rendered by the template as placeholders, then replaced by their sampled text.
-        Compaction (every N turns) strips the thinking of the turns before the last multiple of N,
-        counted at the prompt of turn `n_turns` (default: the next turn)."""
+        """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
+        rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
+        of turns before the last multiple of N, counted at the prompt of turn `n_turns` (default: the next turn)."""
         n = self.cfg.thinking_compaction_turns
         cut = (len(raw) if n_turns is None else n_turns) // n * n if n else 0
         compacted = set(sorted(raw)[:cut])
@@ -786,9 +649,8 @@ class MultiTurnToolEnv:
         return text
 
     def forced_prefix(self, messages, raw, prompt_text: str) -> str:
-        """Text the generation prompt adds to the next turn beyond the template's history header for an
-        assistant turn (Qwen3's `<think>\n\n</think>\n\n` with enable_thinking=false). It belongs to
-        that turn: kept verbatim with it under tool_cycle/all."""
+        """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
+        `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
         keep = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
         base = self.render(messages, raw, False, keep=keep)
         hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
@@ -808,10 +670,9 @@ class MultiTurnToolEnv:
           R1 starts with the held text P0 + A0: extend. Only the suffix S1 is tokenized.
                          sample = [P0][A0][S1], and the sampler is given exactly that.
           turn 1 sample  A1 = "<answer>v</answer>"            sample = [P0][A0][S1][A1]   (one sample: O(T))
-        Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1
-        would not start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1]
-        (a fork, counted in rollout/forks). Comparing text, not ids, means a non-canonical but valid
-        tokenization of A0 never causes a spurious fork."""
+        Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1 would not
+        start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1] (a fork, counted in
+        rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks."""
         text = self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
@@ -830,12 +691,9 @@ class MultiTurnToolEnv:
         ep.samples.append(s)
         return list(s.input_ids)
 
-    # --- tools ------------------------------------------------------------------------------
-
     def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
-        """Run one turn's parsed tool calls, all episodes' at once, and append each result to its episode.
-        Every failure (bad JSON, unknown tool, wrong arguments, an exception, no answer within
-        tool_timeout) becomes an error message the model sees as the tool's result, and is counted (I6)."""
+        """Run one turn's tool calls, all episodes' at once, appending each result to its episode. Every failure
+        (bad JSON, unknown tool, wrong arguments, an exception, tool_timeout) is a counted error result (I6)."""
         futures, key = [], self.fmt.args_key
         for ep, call in pending:
             ep.tool_calls += 1
@@ -865,8 +723,7 @@ class MultiTurnToolEnv:
             if err or out is None:
                 ep.tool_errors += 1
                 out = f"Error: {type(err).__name__}: {err}" if err else "Error: the tool returned None"
-            out = str(out)
-            cap = self.cfg.tool_output_max_chars
+            out, cap = str(out), self.cfg.tool_output_max_chars
             out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
             clean = out.encode("utf-8", "replace").decode("utf-8")   # lone surrogates cannot be tokenized: '?'
             ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
@@ -900,12 +757,9 @@ class MultiTurnToolEnv:
             return calls
         return []
 
-    # --- rollout and the tokenization sanity check ---------------------------------------------
-
     def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
-        eps = [self.new_episode(r) for r in rows]
-        active = eps
+        active = eps = [self.new_episode(r) for r in rows]
         while active:
             prompts, budgets = [], []
             for ep in active:
@@ -931,11 +785,9 @@ class MultiTurnToolEnv:
         return eps
 
     def check_tokenization(self, ep: Episode) -> int:
-        """Compare what each sample's sampler saw with a fresh full rendering of the messages the sample
-        covers (I5): the held text up to the sample's last turn must be a prefix of it. (That last turn
-        was never shown to the sampler; if the template renders it differently, the next turn forks.)
-        Returns the number of mismatches; raises on one unless it is whitespace-only under
-        `ignore_strippable`."""
+        """I5: what each sample's sampler saw, up to the sample's last turn, must be a prefix of a fresh rendering of
+        the messages the sample covers (a last turn rendered differently makes the next turn fork instead). Returns
+        the number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
         mode, found = self.cfg.tokenization_check, 0
         if mode == "off":
             return 0
@@ -981,8 +833,7 @@ def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tenso
 
 
 def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
-    """With a token budget: longest first, so each micro-batch holds samples of similar length and
-    little padding (length bucketing). Otherwise `micro_batch_size` samples at a time, in order."""
+    """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
     if cfg.max_tokens_per_microbatch <= 0:
         return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     mbs: list[list[Sample]] = []
@@ -995,16 +846,11 @@ def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
 
 
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple[list[dict], dict]:
-    """Collated micro-batches with the reference logprobs (beta > 0) and, for num_iterations > 1, the
-    policy's own logprobs before any update of this batch. Under torchrun every rank runs as many
-    micro-batches as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
+    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1).
+    Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
     groups = make_microbatches(samples, cfg)
     real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
-    n_mb = len(groups)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor(n_mb, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n_mb = int(t)
+    n_mb = int(all_sum(len(groups), op=dist.ReduceOp.MAX)[0])
     filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], advantages=[0.0])
     mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
@@ -1017,11 +863,9 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
 
 
 def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
-    """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches.
-
-    Under torchrun each rank holds its own groups' samples. The loss is normalised by the global
-    token and sequence counts and multiplied by the world size, because DDP and FSDP average
-    gradients over ranks: N ranks then give exactly the update one process would on the union."""
+    """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches. Each rank holds its
+    own groups' samples; the loss is normalised by the global token and sequence counts and multiplied by the world
+    size, because DDP and FSDP average gradients over ranks: N ranks give one process's update on the union."""
     device = next(model.parameters()).device
     world = dist.get_world_size() if dist.is_initialized() else 1
     num_tokens, num_seqs = all_sum(sum(sum(s.loss_mask) for s in samples), len(samples))
@@ -1038,9 +882,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
                 with autocast(cfg, device):
                     logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
                 old = mb.get("old", logp.detach())
-                isw = None
-                if cfg.is_ratio_cap > 0:
-                    isw = torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
+                isw = (torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
+                       if cfg.is_ratio_cap > 0 else None)
                 loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                      aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
                                      beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
@@ -1118,10 +961,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
 
 
 def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], reward_fns: list, step: int) -> dict:
-    """Greedy rollouts over the eval rows (each rank takes its share) and the mean of every reward
-    function; the paper's table columns (tool execution, search-answer, XML format, exact match)
-    are reward functions. Rank 0 prints the table, writes the episodes to eval/step-N.jsonl and
-    returns the `eval/...` metrics."""
+    """Greedy rollouts over the eval rows (each rank takes its share), scored by every reward function (the paper's
+    table columns are reward functions). Rank 0 prints the table, writes eval/step-N.jsonl and returns the means."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine, eps = rows[rank::world], []
     chunk = cfg.prompts_per_step * cfg.num_generations // world
@@ -1200,16 +1041,13 @@ def exit_now(code: int):
     os._exit(code) if dist.is_initialized() or "RANK" in os.environ else sys.exit(code)
 
 
-# ######################################################################################
-# APPENDIX: plumbing. Nothing below changes the method; read it when you change how a
-# run is set up, logged, sampled, distributed or saved.
-# ######################################################################################
+# APPENDIX: plumbing ###################################################################################
+# Nothing below changes the method; read it when you change how a run is set up, logged, sampled, distributed or saved.
 
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
 class Run:
-    """What `train()` uses: the plug-ins, the model and optimizer, the environment, the sampler, the
-    logger, and this process's place in the run (rank, start step, SIGTERM)."""
+    """What `train()` uses: plug-ins, model and optimizer, environment, sampler, logger, rank, start step, signals."""
 
     def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
@@ -1228,9 +1066,8 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + step + 100_003 * self.rank)
 
     def sync(self, version: int) -> dict:
-        """The server samples from the current weights from now on. Then every sync checks itself: the
-        server's logprobs on a fixed probe sequence must match the trainer's (a failed or partial
-        reload would otherwise train silently off-policy)."""
+        """The server samples from the current weights from now on; then its logprobs on a fixed probe must match the
+        trainer's (a failed or partial reload would otherwise train silently off-policy)."""
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
         if self.main:
@@ -1242,12 +1079,10 @@ class Run:
         if self.cfg.sync_check_max_diff > 0:
             m["sync/probe_logprob_diff"] = diff = self.probe_diff()
             if diff > self.cfg.sync_check_max_diff:
-                raise SyncCheckError(
-                    f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe the server's "
-                    f"logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_diff="
-                    f"{self.cfg.sync_check_max_diff}). Likely causes: the reload failed or was partial (look for "
-                    "'Failed to load weights' in the server's log), the server serves another model than "
-                    "model_name_or_path, or a precision gap larger than expected (raise sync_check_max_diff; 0 turns it off).")
+                raise SyncCheckError(f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
+                                     f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
+                                     f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
+                                     "server's log), another model on the server, or a larger precision gap (raise the bound).")
         return m
 
     def probe_diff(self) -> float:
@@ -1259,8 +1094,7 @@ class Run:
         return all_sum(diff)[0]
 
     def on_signal(self, signum, frame):
-        """SIGTERM or a first Ctrl-C: finish the step, save, exit (and stop retrying a dead server at once).
-        A second Ctrl-C aborts at once."""
+        """SIGTERM or a first Ctrl-C: finish the step, save, exit (no more server retries); a second Ctrl-C aborts."""
         if signum == signal.SIGINT and self.stop.is_set():
             raise KeyboardInterrupt
         self.stop_signal = signal.Signals(signum).name
@@ -1286,7 +1120,8 @@ class Run:
             for sig, handler in self.handlers.items():
                 signal.signal(sig, handler)
             self.steps.close()
-            self.logger.close()
+            if self.logger.wandb:
+                self.logger.wandb.finish()
             if self.cfg.vllm_server_url and self.main:
                 self.sampler.cleanup()
             if self.main:
@@ -1367,35 +1202,31 @@ def hold_output_dir(cfg: Config, say) -> str:
     second run on the same folder refuses instead of mixing its files in. A lock left by a dead run is taken over."""
     lock, me = cfg.output_dir.rstrip("/") + ".lock", {"pid": os.getpid(), "host": os.uname().nodename}
     os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
-    for _ in range(3):
-        try:
-            with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
-                json.dump({**me, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
-            return lock
-        except FileExistsError:
-            try:
-                with open(lock) as f:
-                    holder = json.load(f)
-            except (OSError, ValueError):
-                holder = {}
-            if holder.get("host", me["host"]) != me["host"] or (holder.get("pid") != me["pid"] and pid_alive(holder.get("pid"))):
-                raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {holder.get('pid')} on "
-                                  f"{holder.get('host')} (since {holder.get('started')}): wait for it, or choose another "
-                                  f"output_dir. If that run is gone, delete {lock}.") from None
-            if holder.get("pid") != me["pid"]:
-                say(f"[mt-grpo] {lock} was left by a run that is gone (PID {holder.get('pid')}): taking it over")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
-    raise ConfigError(f"could not take the lock {lock}: other runs keep taking it")
+    holder = {}
+    with contextlib.suppress(OSError, ValueError), open(lock) as f:
+        holder = json.load(f)
+    if holder and holder.get("pid") != me["pid"]:   # our own pid: an earlier train() in this process that failed
+        if holder.get("host") != me["host"] or pid_alive(holder.get("pid")):
+            raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {holder.get('pid')} on "
+                              f"{holder.get('host')} (since {holder.get('started')}): wait for it, or choose another "
+                              f"output_dir. If that run is gone, delete {lock}.")
+        say(f"[mt-grpo] {lock} was left by a run that is gone (PID {holder.get('pid')}): taking it over")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    try:   # O_EXCL: of two runs starting at once, one gets the folder
+        with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+            json.dump({**me, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+    except FileExistsError:
+        raise ConfigError(f"output_dir '{cfg.output_dir}' was just taken by another run ({lock})") from None
+    return lock
 
 
 def pid_alive(pid) -> bool:
     try:
-        os.kill(int(pid), 0)
+        with contextlib.suppress(PermissionError):   # it exists, as another user's
+            os.kill(int(pid), 0)
     except (ProcessLookupError, TypeError, ValueError):
         return False
-    except PermissionError:   # it exists, as another user's
-        return True
     return True
 
 
@@ -1412,8 +1243,7 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
 
 
 def build_model_if_missing(cfg: Config, say):
-    """Rank 0 (or run.sh, before it starts a server): run `model_builder` when model_name_or_path does
-    not exist yet, and print the report it leaves there."""
+    """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path; print the builder's report."""
     if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
         system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
         say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
@@ -1434,8 +1264,7 @@ def build_model_if_missing(cfg: Config, say):
 
 
 def load_models(cfg: Config, src: str, device: torch.device):
-    """Tokenizer, policy (float32 master weights), the frozen reference when beta > 0, the policy as the
-    loss runs it (DDP or FSDP2), AdamW and its learning-rate schedule."""
+    """Tokenizer, float32 policy, frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW and its LR schedule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
@@ -1531,10 +1360,6 @@ class MetricsLogger:
                 for _, recs in gathered:
                     f.writelines(json.dumps(r) + "\n" for r in recs)
 
-    def close(self):
-        if self.wandb:
-            self.wandb.finish()
-
 
 def summarize(cfg: Config, history: list[dict]):
     if not history:
@@ -1556,13 +1381,11 @@ def summarize(cfg: Config, history: list[dict]):
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
 
 class LocalSampler:
-    """In-process sampler on the policy model itself: always on-policy, no weight sync needed. A plain
-    decode loop with a KV cache; logprobs are log-softmax of (logits / temperature), after top-p
-    filtering when top_p < 1: exactly the distribution each token was drawn from."""
+    """In-process sampler on the policy itself (on-policy, no weight sync): a KV-cache decode loop whose logprobs,
+    log-softmax(logits / temperature) top-p filtered, are exactly the distribution each token was drawn from."""
 
     def __init__(self, model, tokenizer):
-        self.model, self.tok = model, tokenizer
-        self.eos_ids = eos_ids(model, tokenizer)
+        self.model, self.tok, self.eos_ids = model, tokenizer, eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -1621,13 +1444,12 @@ class SamplerError(RuntimeError):
 
 
 class VLLMServerClient:
-    """Samples from a separately launched vLLM server (0.32, the version run.sh pins) over HTTP: POST
-    /v1/completions with the prompt as token ids, `return_token_ids`, `logprobs: 0`, `skip_special_tokens:
-    false`. The chat template is applied here, so nothing is re-tokenized (I1). Every prompt of a batch is
-    in flight at once; identical prompts (a group's first turn) are one request with `n`. Transient
-    failures are retried with backoff until `request_deadline`, a dead server stops the run after
-    `server_dead_timeout`. A reply without token ids or logprobs, or with ids outside the vocabulary, is an
-    error: vLLM ignores misspelt fields, so "we asked for token ids" proves nothing (I6)."""
+    """Samples from a separately launched vLLM server (0.32, the version run.sh pins) over HTTP: POST /v1/completions
+    with the prompt as token ids, `return_token_ids`, `logprobs: 0`, `skip_special_tokens: false`. The chat template
+    is applied here, so nothing is re-tokenized (I1). Every prompt of a batch is in flight at once; identical prompts
+    (a group's first turn) are one request with `n`. Transient failures are retried with backoff until
+    `request_deadline`; a dead server stops the run after `server_dead_timeout`. A reply without token ids or
+    logprobs, or with ids outside the vocabulary, is an error: vLLM ignores misspelt fields (I6)."""
 
     def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop: threading.Event | None = None):
         self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
@@ -1687,11 +1509,9 @@ class VLLMServerClient:
                 self.down_since = None if ok else self.down_since or now
             if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
                 return
-        log = os.environ.get("MTGRPO_VLLM_LOG", "")
-        tail = ""
-        if os.path.isfile(log):
-            with open(log, errors="replace") as f:
-                tail = f"\nLast lines of the server's log ({log}):\n" + "".join(f.readlines()[-20:])
+        log, tail = os.environ.get("MTGRPO_VLLM_LOG", ""), ""
+        with contextlib.suppress(OSError), open(log, errors="replace") as f:   # set by run.sh
+            tail = f"\nLast lines of the server's log ({log}):\n" + "".join(f.readlines()[-20:])
         raise SamplerError(f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
                            f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
                            f"{str(last)[:200]}). The server process is gone or its engine died.{tail}")
@@ -1732,8 +1552,7 @@ class VLLMServerClient:
         return [self.completion(c) for c in choices]
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """The server's logprob of each token of `ids` after the ones before it (raw logits, as the
-        trainer's at temperature 1), for the check after a weight sync."""
+        """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check."""
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
                 "cache_salt": f"{self.run_tag}-probe"}
         lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
@@ -1775,9 +1594,8 @@ class VLLMServerClient:
 
     @contextlib.contextmanager
     def weight_update(self, version: int):
-        """Around either sync path: nothing is generated while weights change (pause in abort mode), no
-        KV of the old weights survives (neither reload_weights nor the native update resets the prefix
-        cache), and the server always resumes."""
+        """Around either sync path: nothing is generated while weights change (pause, abort mode), no KV of the old
+        weights survives (neither sync path resets the prefix cache itself), and the server always resumes."""
         self.request("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
         try:
             yield
@@ -1787,10 +1605,9 @@ class VLLMServerClient:
         self.policy_version = version
 
     def sync_weights_nccl(self, state_dict: dict, version: int):
-        """vLLM's native weight transfer: rank 0 joins the server's workers in an NCCL group once, then
-        broadcasts packed bf16 tensors while /update_weights receives them. The server must run with
-        --weight-transfer-config '{"backend":"nccl"}', and the trainer needs vllm installed (run.sh's
-        GPU requirements). MTGRPO_NCCL_ADDR is this host's address as the server sees it."""
+        """vLLM's native weight transfer: rank 0 joins the server's workers in an NCCL group once, then broadcasts
+        packed bf16 tensors while /update_weights receives them. Needs a server run with --weight-transfer-config
+        '{"backend":"nccl"}' and vllm on the trainer; MTGRPO_NCCL_ADDR is this host as the server sees it."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -1831,8 +1648,7 @@ def eos_ids(model, tokenizer) -> set[int]:
 # === D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts ===
 
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this is one
-    process (FSDP2 then still gets a 1-rank process group, which it needs)."""
+    """(rank, world size, device) from torchrun's environment; alone, FSDP2 still gets the 1-rank group it needs."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ and not cfg.fsdp:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
@@ -1857,12 +1673,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def all_sum(*xs: float) -> list[float]:
-    """Sum numbers over ranks (identity in one process)."""
+def all_sum(*xs: float, op=None) -> list[float]:
+    """Sum numbers over ranks, or with op=dist.ReduceOp.MAX take the largest (identity in one process)."""
     if not dist.is_initialized():
         return list(xs)
     t = torch.tensor(xs, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t.tolist()
 
 
@@ -1913,8 +1729,7 @@ def full_state(model, optimizer=None, fsdp: bool = False):
 # === E. Checkpoints and resume ===========================================================
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """HF model + tokenizer, and the trainer state, written by rank 0 to a temp folder and then renamed,
-    so a crash mid-save leaves the previous checkpoint as it was."""
+    """Written by rank 0 to a temp folder, then renamed: a crash mid-save leaves the previous checkpoint as it was."""
     model_sd, optim_sd = full_state(model, optimizer, cfg.fsdp)
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -1946,8 +1761,7 @@ def find_checkpoint(cfg: Config) -> str | None:
 
 
 def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, main: bool) -> int:
-    """Optimizer, scheduler and RNG state from a checkpoint (the model was loaded from it). Log lines of
-    later steps are dropped, since those steps will be redone. Returns the step to continue from."""
+    """Optimizer, scheduler, RNG state (the model came from `ckpt`); drops logs of steps to redo; returns the step."""
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     if cfg.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -1972,18 +1786,120 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
     return state["step"]
 
 
-# === F. Loading plug-ins and data; small utilities =======================================
+# === F. Loading recipes, plug-ins and data; small utilities =========================
+
+class RecipeLoader(yaml.SafeLoader):
+    """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off'."""
+    yaml_implicit_resolvers = {k: [(t, r) for t, r in v if t != "tag:yaml.org,2002:bool"]
+                               for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def _no_duplicate_keys(loader, node, deep=False):
+    """A key written twice is an error: YAML would silently keep the last one (a recipe's appended `learning_rate:`)."""
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                              f"{' of ' + key_node.start_mark.name if key_node.start_mark.name != '<unicode string>' else ''}; "
+                              "keep one")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
+def field_docs() -> dict[str, str]:
+    """Field name -> the docstring written under it (read from this file's source)."""
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    return {node.target.id: nxt.value.value for node, nxt in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+
+
+def in_range(value: float, interval: str) -> bool:
+    """`value` against an interval written beside a field: '[a, b]', '(a, b]', '[a, b)', '>= a', '> a' or
+    'finite' (every numeric key must be finite anyway)."""
+    if interval == "finite":
+        return True
+    if interval[0] in "[(":
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
+    op, bound = interval.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def field_ranges() -> dict[str, str]:
+    """Field name -> its valid range, from `Annotated[type, "range"]` in Config."""
+    return {k: h.__metadata__[0] for k, h in typing.get_type_hints(Config, include_extras=True).items() if hasattr(h, "__metadata__")}
+
+
+def _coerce(name: str, value, typ):
+    """Check `value` against the field type; floats take numeric strings (YAML reads 1e-6 so), strings take ints."""
+    if typing.get_origin(typ) is list:
+        if isinstance(value, list):
+            return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
+    elif isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
+        return value
+    elif typ is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    elif typ is str and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    kind = "a list" if typing.get_origin(typ) is list else typ.__name__
+    raise ConfigError(f"config key '{name}' must be {kind}, got {type(value).__name__}: {value!r}")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail."""
+    raw = {}
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"recipe not found: {path}")
+        with open(path) as f:
+            raw = yaml.load(f, Loader=RecipeLoader) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+    hints, allowed, ranges = typing.get_type_hints(Config), choices(), field_ranges()
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override '{ov}' must look like key=value")
+        k, v = ov.split("=", 1)
+        k = k.strip()
+        raw[k] = v if hints.get(k) is str else yaml.load(v, Loader=RecipeLoader) if v.strip() else ""
+    values = {}
+    for k, v in raw.items():
+        if k not in hints:
+            close = difflib.get_close_matches(k, hints, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
+            raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
+        values[k] = _coerce(k, v, hints[k])
+        if k in allowed and values[k] not in allowed[k]:
+            raise ConfigError(f"config key '{k}' must be one of {', '.join(allowed[k])}, got {v!r}")
+        if k in ranges and not all(math.isfinite(x) and in_range(x, ranges[k]) for x in np.atleast_1d(values[k])):
+            kind = ranges[k] if ranges[k][0] in "<>f" else "in " + ranges[k]
+            raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
+    cfg = Config(**values)
+    for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
+        w = getattr(cfg, weights)
+        if w and len(w) != len(getattr(cfg, funcs)):
+            raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
+    if len(cfg.adam_betas) != 2:
+        raise ConfigError(f"adam_betas must be two numbers [beta1, beta2], got {cfg.adam_betas}")
+    if not cfg.output_dir:
+        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
+    return cfg
+
 
 def load_object(spec: str, what: str = "object"):
     """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    for base in ("", os.path.dirname(os.path.abspath(__file__))):
-        full = os.path.join(base, path)
-        if os.path.isfile(full):
-            break
-    else:
+    full = next((p for p in (path, os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) if os.path.isfile(p)), None)
+    if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
     mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
     module = sys.modules.get(mod_name)
@@ -2023,9 +1939,8 @@ def autocast(cfg: Config, device: torch.device):
 
 
 class DaemonPool:
-    """Worker threads for tool calls and server requests. They are daemons: a call that never returns
-    is abandoned with its worker (run_tools adds a fresh one), and none can keep the process from
-    exiting after an error."""
+    """Worker threads for tool calls and server requests. Daemons: a call that never returns is abandoned with its
+    worker (run_tools adds a fresh one), and none can keep the process from exiting after an error."""
 
     def __init__(self, size: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
