@@ -37,8 +37,8 @@ Run:
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
 - sequence packing: micro-batches are padded (and bucketed by length), which keeps the loss code obvious;
-- Ray, and async/off-policy rollouts: one process per GPU, rollout and update take turns, so
-  `breakpoint()` works and the policy is exactly on-policy (sync_every > 1 trades that for speed);
+- Ray: one process per GPU. By default rollout and update take turns, so `breakpoint()` works and the policy is
+  exactly on-policy; max_staleness >= 1 overlaps them with one producer thread per rank (see RolloutProducer);
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
   its sampling logprobs cost every step's full-vocabulary scores; a 30-line KV-cache decode loop is exact and bounded.
 """
@@ -133,6 +133,12 @@ class Config:
     """Sampling temperature; the trainer scores tokens at the same temperature."""
     top_p: Annotated[float, "(0, 1]"] = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
+    filter_zero_spread_groups: bool = False
+    """DAPO's dynamic sampling: drop groups whose episodes all get zero advantage and roll out more prompts instead."""
+    max_filter_draws: Annotated[int, ">= 0"] = 2
+    """With filter_zero_spread_groups: most extra rounds of prompts per step; after them the step trains on fewer groups."""
+    max_staleness: Annotated[int, "[0, 8]"] = 0
+    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates; a group with a token sampled more than k versions back is dropped."""
     # --- advantages
     advantage_mode: str = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
@@ -252,12 +258,13 @@ class Completion:
     ids: list[int]            # sampled token ids, verbatim (EOS / stop-completing token included)
     logprobs: list[float]     # log-probability of each sampled id under the sampling distribution
     finish_reason: str        # "stop" (EOS or a stop string) | "length" (max_tokens reached)
+    version: int = 0          # policy version (weight syncs so far) when it was requested: its oldest token's
 
 
 @dataclass
 class Turn(Completion):
     """One assistant turn of an episode: the sampler's reply to a prompt of `prompt_len` tokens."""
-    prompt_len: int
+    prompt_len: int = 0
 
 
 @dataclass
@@ -270,16 +277,18 @@ class Sample:
     advantages: list[float] = field(default_factory=list)
     n_messages: int = 0                                       # messages of the episode this sample covers
     last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
+    versions: list[int] = field(default_factory=list)         # policy version that sampled the token, -1 if not sampled
 
     def truncate(self, n: int):
-        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx"):
+        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions"):
             del getattr(self, key)[n:]
 
-    def append(self, ids, mask: int, logprobs=None, turn: int = -1):
+    def append(self, ids, mask: int, logprobs=None, turn: int = -1, version: int = -1):
         self.input_ids += ids
         self.loss_mask += [mask] * len(ids)
         self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.turn_idx += [turn] * len(ids)
+        self.versions += [version] * len(ids)
 
 
 @dataclass
@@ -454,10 +463,15 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
         loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
         r_t = exp(logp_t - old_t),  w_t = min(exp(old_t - sampler_t), is_ratio_cap)  (detached)
 
-    `old` is the trainer's own logprob before this batch's first update (the proximal policy); `w_t` corrects for
-    the sampler being a slightly different policy (bf16 on vLLM, other kernels) and, with top_p < 1, by design for
-    its nucleus: the sampler reports the nucleus distribution it drew from (part of the behaviour policy), the
-    trainer scores the full one. The denominators are the whole batch's, so summing micro-batch losses gives the
+    This is the decoupled PPO objective (Hilton et al. 2022, arXiv 2110.00641; AReaL, Fu et al. 2025, arXiv
+    2505.24298), with the sampler as the behaviour policy mu and `old` as the proximal policy pi_old:
+
+        J = E_{t ~ mu} [ min(pi_old / mu, cap) * min(r_t A_t, clip(r_t) A_t) ],   r_t = pi_theta / pi_old
+
+    `old` is the trainer's own logprob before this batch's first update; `w_t` corrects for the sampler being
+    another policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the
+    nucleus it drew from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k
+    weight versions (its tokens were sampled before the last k updates). The denominators are the whole batch's, so summing micro-batch losses gives the
     whole batch's gradient (gradient accumulation)."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -734,9 +748,9 @@ class MultiTurnToolEnv:
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
         t = len(ep.turns)
-        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, prompt_len=len(ep.samples[-1].input_ids)))
+        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=len(ep.samples[-1].input_ids)))
         ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
-        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t)
+        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         msg, calls = self.fmt.parse(text)
@@ -780,7 +794,7 @@ class MultiTurnToolEnv:
         for ep in eps:
             for s in ep.samples:
                 n = len(s.input_ids)
-                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n, "I2: sample lists out of step"
+                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions) == n, "I2: out of step"
             ep.tokenization_mismatches = self.check_tokenization(ep)
         return eps
 
@@ -851,7 +865,7 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
     groups = make_microbatches(samples, cfg)
     real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
     n_mb = int(all_sum(len(groups), op=dist.ReduceOp.MAX)[0])
-    filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], advantages=[0.0])
+    filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], versions=[-1], advantages=[0.0])
     mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
@@ -915,11 +929,90 @@ def lr_lambda(cfg: Config):
 
 # === 7. The training loop ================================================================
 
-def rows_for_step(rows: list[dict], cfg: Config, step: int) -> list[dict]:
-    """P prompts for this step, each repeated G times. Depends only on (seed, step): resumable."""
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
+    """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated G times. They depend only on
+    (seed, step, draw), never on what ran before: a resumed run neither repeats nor skips a prompt."""
+    rng = random.Random(cfg.seed * 1_000_003 + step + 7_919_993 * draw)
     picked = rng.sample(rows, cfg.prompts_per_step) if len(rows) >= cfg.prompts_per_step else rng.choices(rows, k=cfg.prompts_per_step)
     return [r for r in picked for _ in range(cfg.num_generations)]
+
+
+def collect(run, step: int) -> tuple[list[Episode], dict]:
+    """Steps 1-3 for this rank's groups: rollout -> reward -> advantage. With filter_zero_spread_groups (DAPO's dynamic
+    sampling) a group whose episodes all get zero advantage, which teaches nothing and dilutes the batch, is dropped
+    and new prompts are rolled out in its place, for up to max_filter_draws more rounds; then the last round's
+    dropped groups fill what is still missing (they add only the KL term)."""
+    cfg, G, t0 = run.cfg, run.cfg.num_generations, time.time()
+    kept, flat, rows, drawn, filtered, extra = [], [], run.batch(step), [], 0, 0
+    for draw in range(cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1):
+        # 1. rollout: whole GRPO groups, every episode turn by turn, all at once
+        episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
+        # 2. reward: a turn-level and an outcome-level scalar per episode
+        turn_R = score(episodes, run.turn_fns, run.turn_w)
+        outcome_R = score(episodes, run.outcome_fns, run.outcome_w)
+        # 3. advantage: normalised within each group, then split per token at the first tool result
+        assign_advantages(episodes, turn_R, outcome_R, cfg)
+        drawn += outcome_R
+        groups = [episodes[g:g + G] for g in range(0, len(episodes), G)]
+        flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(e.adv_before or e.adv_after for e in g)]
+        kept += [g for g in groups if not any(g is f for f in flat)]
+        filtered += len(flat)
+        missing = len(run.batch(step)) // G - len(kept)
+        if not missing or draw == cfg.max_filter_draws:
+            break
+        rows = run.batch(step, draw + 1)[:missing * G]
+        extra += missing
+    # reward/outcome covers the trained groups only, biased by the filter: this covers every episode rolled out
+    m = {"rollout/groups_filtered": filtered, "rollout/extra_draws": extra,
+         "reward/outcome_before_filter": float(np.mean(drawn))} if cfg.filter_zero_spread_groups else {}
+    return [ep for g in kept + flat[:missing] for ep in g], {**m, "time/rollout": time.time() - t0}
+
+
+class RolloutProducer:
+    """max_staleness = k >= 1: a thread runs `collect` for the coming steps while the trainer updates. It may start
+    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead;
+    `take` hands the steps back in order and drops any group with a token sampled more than k versions before the
+    update. At k = 0 there is no thread: `take` runs `collect` then and there."""
+
+    def __init__(self, run, start: int):
+        self.run, self.k, self.closed = run, run.cfg.max_staleness, False
+        self.permits, self.ready = threading.Semaphore(self.k + 1), queue.Queue()
+        if self.k:
+            threading.Thread(target=self.work, args=(start,), daemon=True, name="mt-grpo-rollouts").start()
+
+    def work(self, start: int):
+        for step in range(start, self.run.cfg.max_steps):
+            self.permits.acquire()
+            if self.closed:
+                return
+            try:
+                self.ready.put(collect(self.run, step))
+            except BaseException as e:   # handed to the trainer, which raises it
+                return self.ready.put(e)
+
+    def take(self, step: int) -> tuple[list[Episode], dict]:
+        t0 = time.time()
+        out = self.ready.get() if self.k else collect(self.run, step)
+        if isinstance(out, BaseException):
+            raise out
+        episodes, m = out
+        if not self.k:
+            return episodes, {**m, "time/wait_rollout": time.time() - t0}
+        G, fresh, ages = self.run.cfg.num_generations, [], []
+        for g in range(0, len(episodes), G):
+            age = [step - v for ep in episodes[g:g + G] for s in ep.samples for v, k in zip(s.versions, s.loss_mask) if k]
+            if max(age, default=0) <= self.k:
+                fresh, ages = fresh + episodes[g:g + G], ages + age
+        return fresh, {**m, "time/wait_rollout": time.time() - t0, "rollout/groups_dropped_stale": (len(episodes) - len(
+            fresh)) // G, "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0, "rollout/staleness_max": max(ages, default=0)}
+
+    def advance(self):
+        """The server now samples from the next weights: one more step's rollouts may start."""
+        self.permits.release()
+
+    def close(self):
+        self.closed = True
+        self.permits.release()
 
 
 def train(cfg: Config, eval_only: bool = False) -> list[dict]:
@@ -927,36 +1020,35 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     run = setup(cfg, eval_only)   # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
     if eval_only:
         return run.close([run.evaluate(run.start, record=True)])
-    for step in run.steps:
-        t0 = time.time()
-        # 1. rollout: this rank's whole GRPO groups, every episode turn by turn, all at once
-        episodes = run.env.rollout(run.batch(step), run.sampler, run.generator(step))
-        t_roll = time.time() - t0
-        # 2. reward: a turn-level and an outcome-level scalar per episode
-        turn_R = score(episodes, run.turn_fns, run.turn_w)
-        outcome_R = score(episodes, run.outcome_fns, run.outcome_w)
-        # 3. advantage: normalised within each group, then split per token at the first tool result
-        assign_advantages(episodes, turn_R, outcome_R, cfg)
-        # 4. update: PPO-clip on exactly the sampled tokens (I1)
-        samples, rejected = trainable_samples(episodes, cfg)
-        t1 = time.time()
-        m = train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, cfg, run.pad_id)
-        t_train = time.time() - t1
-        # 5. sync: a vLLM server samples from the new weights from now on
-        if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
-            m.update(run.sync(step + 1))
-        # 6. log: every rank's means, averaged on rank 0; evaluate when due
-        m.update({**episode_metrics(episodes), "rollout/rejected_nonfinite": rejected,
-                  "time/rollout": t_roll, "time/train": t_train, "time/step": time.time() - t0})
-        run.logger.log(step + 1, m, episodes, run.evaluate(step + 1) if run.eval_due(step + 1) else {})
-        # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
-        stopping = run.stop_requested()
-        if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
-            path = save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
-        if stopping:
-            run.say(f"\n[mt-grpo] {run.stop_signal or 'a signal on another rank'}: stopped after step {step + 1} "
-                    f"and saved {path}; continue with resume_from_checkpoint=auto")
-            break
+    try:
+        for step in run.steps:
+            t0 = time.time()
+            # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
+            #      max_staleness >= 1, already run by the producer thread while the trainer updated on earlier steps
+            episodes, m_roll = run.rollouts.take(step)
+            # 4. update: PPO-clip on exactly the sampled tokens (I1)
+            samples, rejected = trainable_samples(episodes, cfg)
+            t1 = time.time()
+            m = train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, cfg, run.pad_id)
+            t_train = time.time() - t1
+            # 5. sync: a vLLM server samples from the new weights from now on
+            if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
+                m.update(run.sync(step + 1))
+                run.rollouts.advance()
+            # 6. log: every rank's means, averaged on rank 0; evaluate when due
+            m.update({**episode_metrics(episodes), **m_roll, "rollout/rejected_nonfinite": rejected,
+                      "time/train": t_train, "time/step": time.time() - t0})
+            run.logger.log(step + 1, m, episodes, run.evaluate(step + 1) if run.eval_due(step + 1) else {})
+            # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
+            stopping = run.stop_requested()
+            if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+                path = save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
+            if stopping:
+                run.say(f"\n[mt-grpo] {run.stop_signal or 'a signal on another rank'}: stopped after step {step + 1} "
+                        f"and saved {path}; continue with resume_from_checkpoint=auto")
+                break
+    finally:   # the producer thread (max_staleness >= 1) stops with the loop, however it ends
+        run.rollouts.close()
     return run.close(run.logger.history)
 
 
@@ -1058,12 +1150,13 @@ class Run:
         if self.main:
             print(msg, flush=True)
 
-    def batch(self, step: int) -> list[dict]:
+    def batch(self, step: int, draw: int = 0) -> list[dict]:
         per_rank = self.cfg.prompts_per_step * self.cfg.num_generations // self.world
-        return rows_for_step(self.rows, self.cfg, step)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return rows_for_step(self.rows, self.cfg, step, draw)[self.rank * per_rank:(self.rank + 1) * per_rank]
 
-    def generator(self, step: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.cfg.seed * 1_000_003 + step + 100_003 * self.rank)
+    def generator(self, step: int, draw: int = 0) -> torch.Generator:
+        seed = self.cfg.seed * 1_000_003 + step + 100_003 * self.rank + 7_919_993 * draw
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
         """The server samples from the current weights from now on; then its logprobs on a fixed probe must match the
@@ -1175,6 +1268,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
                      dynamic_ncols=True, disable=not run.main)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
+    run.rollouts = RolloutProducer(run, run.start)
     if threading.current_thread() is threading.main_thread():
         run.handlers = {sig: signal.signal(sig, run.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     return run
@@ -1190,6 +1284,10 @@ def load_plugins(run: Run, eval_only: bool):
     run.rows = load_rows(cfg.dataset)
     run.eval_rows = load_rows(cfg.eval_dataset)[:cfg.eval_max_examples or None] if cfg.eval_dataset else []
     check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools))
+    if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
+        raise ConfigError(f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
+                          "sync_every=1: the in-process sampler shares the weights being trained, and staleness is counted "
+                          "in weight versions. Set max_staleness=0, or serve the policy with vLLM.")
     if cfg.fsdp and not cfg.vllm_server_url:
         raise ConfigError("fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
                           "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
@@ -1270,10 +1368,8 @@ def load_models(cfg: Config, src: str, device: torch.device):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
-    ref_model = None
-    if cfg.beta > 0:   # replicated on every rank, inference only
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
-        ref_model.requires_grad_(False)
+    ref_model = (AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+                 .requires_grad_(False) if cfg.beta > 0 else None)   # replicated on every rank, inference only
     policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF module
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=tuple(cfg.adam_betas))
@@ -1285,7 +1381,7 @@ def load_models(cfg: Config, src: str, device: torch.device):
 
 def episode_metrics(eps: list[Episode]) -> dict:
     """This rank's rewards, advantages and rollout statistics for one step."""
-    return {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
+    return {} if not eps else {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
             "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
             **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
             "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in eps])),
@@ -1311,14 +1407,12 @@ def rollout_metrics(eps: list[Episode]) -> dict:
 
 
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
-    return {"step": step, "episode": i, "group": i // cfg.num_generations, "messages": ep.messages,
-            "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "forks": ep.forks,
-            "boundaries": ep.boundaries, "tokenization_mismatches": ep.tokenization_mismatches,
-            "rewards": ep.rewards, "turn_reward": ep.turn_reward, "outcome_reward": ep.outcome_reward,
+    same = ("messages", "end_reason", "tool_calls", "tool_errors", "forks", "boundaries", "tokenization_mismatches",
+            "rewards", "turn_reward", "outcome_reward")   # recorded under the Episode field's own name
+    return {"step": step, "episode": i, "group": i // cfg.num_generations, **{k: getattr(ep, k) for k in same},
             "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
-            "first_result_turn": ep.first_result_turn,
-            "samples": [{"input_ids": s.input_ids, "loss_mask": s.loss_mask, "sampler_logprobs": s.sampler_logprobs,
-                         "advantages": s.advantages, "turn_idx": s.turn_idx} for s in ep.samples]}
+            "first_result_turn": ep.first_result_turn, "samples": [{k: getattr(s, k) for k in (
+                "input_ids", "loss_mask", "sampler_logprobs", "advantages", "turn_idx", "versions")} for s in ep.samples]}
 
 
 class MetricsLogger:
@@ -1344,21 +1438,22 @@ class MetricsLogger:
             return
         m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in m}}
         for k in self.COUNTS:
-            m[k] *= self.world
+            if k in m:   # not in a step whose groups were all dropped as stale
+                m[k] *= self.world
         m.update(evaluated)
         self.history.append(m)
         with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
         if self.wandb:
             self.wandb.log(m, step=step)
-        self.write(f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
+        g = lambda k: m.get(k, math.nan)   # a step whose groups were all dropped as stale has no episode figures
+        self.write(f"step {step:>4} | outcome {g('reward/outcome'):.3f} | turn {g('reward/turn'):.3f} | "
                    f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
-                   f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
-                   f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
+                   f"tool_calls {g('rollout/tool_calls'):.2f} | turns {g('rollout/turns'):.2f} | "
+                   f"tokens {g('rollout/tokens_trained'):.0f} | {m['time/step']:.2f}s")
         if dump:
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
-                for _, recs in gathered:
-                    f.writelines(json.dumps(r) + "\n" for r in recs)
+                f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
 
 
 def summarize(cfg: Config, history: list[dict]):
@@ -1366,11 +1461,10 @@ def summarize(cfg: Config, history: list[dict]):
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
     k = min(10, len(history))
-    first = {key: np.mean([h[key] for h in history[:k]]) for key in ("reward/outcome", "reward/turn", "rollout/tool_calls")}
-    last = {key: np.mean([h[key] for h in history[-k:]]) for key in first}
     print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:")
-    for key in first:
-        print(f"  {key:<22} {history[0][key]:.3f} | {first[key]:.3f} -> {last[key]:.3f}")
+    for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
+        first, last = (np.mean([h.get(key, np.nan) for h in hs]) for hs in (history[:k], history[-k:]))
+        print(f"  {key:<22} {history[0].get(key, np.nan):.3f} | {first:.3f} -> {last:.3f}")
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
     for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
         print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
@@ -1502,10 +1596,9 @@ class VLLMServerClient:
             now = time.monotonic()
             if now - self.health_checked >= 2.0:
                 self.health_checked = now
-                try:
+                ok = False
+                with contextlib.suppress(requests.RequestException):
                     ok = requests.get(self.url + "/health", timeout=2.0).status_code == 200
-                except requests.RequestException:
-                    ok = False
                 self.down_since = None if ok else self.down_since or now
             if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
                 return
@@ -1523,11 +1616,8 @@ class VLLMServerClient:
             groups.setdefault((tuple(p), m), []).append(i)
         futures = {self.pool.submit(self.complete, prompt=list(p), n=len(idx), max_tokens=m, temperature=temperature,
                                     top_p=top_p, stop=stop): idx for (p, m), idx in groups.items()}
-        out: list = [None] * len(prompts)
-        for fut, idx in futures.items():
-            for i, c in zip(idx, fut.result()):
-                out[i] = c
-        return out
+        out = {i: c for fut, idx in futures.items() for i, c in zip(idx, fut.result())}
+        return [out[i] for i in range(len(prompts))]
 
     def complete(self, prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, stop) -> list[Completion]:
         budget = min(max_tokens, self.max_model_len - len(prompt))
@@ -1540,16 +1630,18 @@ class VLLMServerClient:
         body = {"model": self.model, "prompt": prompt, "n": n, "max_tokens": budget, "temperature": temperature,
                 "top_p": top_p, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "stop": list(stop),
                 "stop_token_ids": self.stop_token_ids, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": False, "cache_salt": f"{self.run_tag}-v{self.policy_version}"}
+                "skip_special_tokens": False}
         end = time.monotonic() + self.cfg.request_deadline
         while True:
+            version = self.policy_version   # a retry after a sync samples from the new weights
+            body["cache_salt"] = f"{self.run_tag}-v{version}"
             choices = sorted(self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()),
                                           json=body).get("choices") or [], key=lambda c: c.get("index", 0))
             if not any(c.get("finish_reason") in ("abort", "error") for c in choices) or time.monotonic() > end:
                 break   # aborted (the server was paused or failed mid-request): ask again
         if len(choices) != n:
             raise SamplerError(f"{self.url}/v1/completions returned {len(choices)} choices for n={n}")
-        return [self.completion(c) for c in choices]
+        return [self.completion(c, version) for c in choices]
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check."""
@@ -1560,7 +1652,7 @@ class VLLMServerClient:
             raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
         return [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
 
-    def completion(self, c: dict) -> Completion:
+    def completion(self, c: dict, version: int = 0) -> Completion:
         ids, lps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
         where = f"{self.url}/v1/completions"
         if not isinstance(ids, list) or not isinstance(lps, list):
@@ -1573,7 +1665,7 @@ class VLLMServerClient:
                                "serving the model this run trains?")
         if c.get("finish_reason") not in ("stop", "length", "repetition"):
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
-        return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length")
+        return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
     def sync_weights(self, model, state_dict: dict, version: int):
         """Rank 0, after an optimizer step: make the server sample from `state_dict` from now on."""
@@ -1594,15 +1686,20 @@ class VLLMServerClient:
 
     @contextlib.contextmanager
     def weight_update(self, version: int):
-        """Around either sync path: nothing is generated while weights change (pause, abort mode), no KV of the old
-        weights survives (neither sync path resets the prefix cache itself), and the server always resumes."""
-        self.request("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
+        """Around either sync path: nothing is generated while weights change, no KV of the old weights is reused (neither
+        sync path resets the prefix cache itself), and the server always resumes. On-policy, requests in flight are
+        aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep) and go on under the new weights
+        after the resume: partial rollouts, their tokens' logprobs those of the weights that sampled them. The new
+        cache_salt, set before the resume, keeps new requests off the old weights' prefix cache."""
+        keep = self.cfg.max_staleness > 0
+        self.request("POST", "/pause", params={"mode": "keep" if keep else "abort", "clear_cache": str(not keep).lower()})
         try:
             yield
-            self.request("POST", "/reset_prefix_cache")
+            if not keep:
+                self.request("POST", "/reset_prefix_cache")
+            self.policy_version = version
         finally:
             self.request("POST", "/resume")
-        self.policy_version = version
 
     def sync_weights_nccl(self, state_dict: dict, version: int):
         """vLLM's native weight transfer: rank 0 joins the server's workers in an NCCL group once, then broadcasts
@@ -1633,16 +1730,13 @@ class VLLMServerClient:
         return os.path.join(self.cfg.weight_sync_dir, os.path.basename(os.path.abspath(self.cfg.output_dir)))
 
     def cleanup(self, keep: str = ""):
-        if os.path.isdir(self.sync_dir):
-            for old in os.listdir(self.sync_dir):
-                if old != keep:
-                    shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
+        for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - {keep}:
+            shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
 
 
 def eos_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id if model.generation_config else None
-    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return set(eos) | {tokenizer.eos_token_id}
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tokenizer.eos_token_id}
 
 
 # === D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts ===
@@ -1905,8 +1999,7 @@ def load_object(spec: str, what: str = "object"):
     module = sys.modules.get(mod_name)
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[mod_name] = module
+        sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(module)
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")

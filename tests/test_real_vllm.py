@@ -118,7 +118,7 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     torch.manual_seed(0)
     with torch.no_grad():
         for p in changed.parameters():
-            p.add_(torch.randn_like(p) * 0.3 * p.std().clamp(min=1e-3))
+            p.add_(torch.randn_like(p) * 0.4 * p.std().clamp(min=1e-3))   # enough that stale logprobs stand out
     serve(client, changed, 3)
     outs = client.generate(prompts, [48] * len(prompts), 1.0, 1.0, env.stop)
     follows, n = mean_abs_diff(changed, outs, prompts, 1.0)
@@ -163,6 +163,43 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
     assert len(out["c"]) == 64
     for c in out["c"]:   # every completion handed back is whole: sent again after the resume
         assert c.finish_reason in ("stop", "length") and len(c.ids) == len(c.logprobs) >= 1
+
+
+def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_reload(real_vllm, toy, tmp_path):
+    """max_staleness >= 1: a sync pauses with mode=keep; the requests in flight are neither aborted nor sent again,
+    they finish after vLLM reloads the weights, and what is sampled afterwards comes from the new weights."""
+    import copy
+    model, tok = toy
+    client = client_for(real_vllm, tmp_path, tok, "max_staleness=1")
+    env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
+    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=11))]
+    serve(client, model, 1)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in changed.model.layers[-1].mlp.parameters():
+            p.mul_(1.5)
+    calls, out = recording(client), {}
+    worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [48] * 64, 1.0, 1.0, ())))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while metric(real_vllm.url, "vllm:num_requests_running") < 1 and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    frozen = metric(real_vllm.url, "vllm:num_requests_running")
+    serve(client, changed, 2)
+    worker.join(timeout=120)
+    assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
+    sent = [c for c in calls if c["path"] == "/v1/completions"]
+    assert len(sent) == len({tuple(p) for p in prompts}) and not [c for c in choices(calls) if c["finish_reason"] == "abort"], \
+        f"{frozen:.0f} requests were running at the pause; none may be aborted or sent again"
+    assert all(c.finish_reason in ("stop", "length") and c.version == 1 and len(c.ids) == len(c.logprobs) >= 1
+               for c in out["c"])
+    probe = prompts[0]
+    server_lp = torch.tensor(client.prompt_logprobs(probe))
+    new, old = (trainer_logprobs(m, probe[:1], probe[1:], 1.0) for m in (changed, model))
+    assert (server_lp - new).abs().mean() < 0.05 < (server_lp - old).abs().mean(), "the reload took effect"
+    [c] = client.generate([probe], [4], 1.0)
+    assert c.version == 2
+    serve(client, model, 3)   # the warm-started weights again, for the tests after this one
 
 
 def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_ids(real_vllm, toy, tmp_path):

@@ -723,9 +723,11 @@ def main():
     ap.add_argument("--served-model-name")
     ap.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
     ap.add_argument("--weight-transfer", action="store_true", help="as with --weight-transfer-config")
+    ap.add_argument("--latency", type=float, default=0.0, help="seconds added to every completion request")
     a = ap.parse_args()
     srv = StandinServer(a.model, port=a.port, max_model_len=a.max_model_len, served_model_name=a.served_model_name,
                         dev_mode=not a.no_dev_mode, weight_transfer=a.weight_transfer).start()
+    srv.faults.set_latency(a.latency)
     print(f"vLLM 0.32 stand-in: {srv.served_model_name} at {srv.url}", flush=True)
     try:
         while True:
