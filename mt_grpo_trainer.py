@@ -136,7 +136,7 @@ class Config:
     filter_zero_spread_groups: bool = False
     """DAPO's dynamic sampling: drop groups whose episodes all get zero advantage and roll out more prompts instead."""
     max_filter_draws: Annotated[int, ">= 0"] = 2
-    """With filter_zero_spread_groups: most extra rounds of prompts per step; after them the step trains on fewer groups."""
+    """With filter_zero_spread_groups: most extra rounds of prompts per step; after them zero-spread groups fill the step."""
     max_staleness: Annotated[int, "[0, 8]"] = 0
     """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates; a group with a token sampled more than k versions back is dropped."""
     # --- advantages
@@ -471,8 +471,8 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     `old` is the trainer's own logprob before this batch's first update; `w_t` corrects for the sampler being
     another policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the
     nucleus it drew from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k
-    weight versions (its tokens were sampled before the last k updates). The denominators are the whole batch's, so summing micro-batch losses gives the
-    whole batch's gradient (gradient accumulation)."""
+    weight versions (its tokens were sampled before the last k updates). The denominators are the whole batch's,
+    so summing micro-batch losses gives the whole batch's gradient (gradient accumulation)."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
@@ -1003,6 +1003,8 @@ class RolloutProducer:
             age = [step - v for ep in episodes[g:g + G] for s in ep.samples for v, k in zip(s.versions, s.loss_mask) if k]
             if max(age, default=0) <= self.k:
                 fresh, ages = fresh + episodes[g:g + G], ages + age
+        if not fresh:   # the permits keep every token within k versions: this is a bug, not a slow server
+            raise RuntimeError(f"step {step}: every group has a token more than max_staleness={self.k} versions old")
         return fresh, {**m, "time/wait_rollout": time.time() - t0, "rollout/groups_dropped_stale": (len(episodes) - len(
             fresh)) // G, "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0, "rollout/staleness_max": max(ages, default=0)}
 
@@ -1381,7 +1383,7 @@ def load_models(cfg: Config, src: str, device: torch.device):
 
 def episode_metrics(eps: list[Episode]) -> dict:
     """This rank's rewards, advantages and rollout statistics for one step."""
-    return {} if not eps else {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
+    return {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
             "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
             **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
             "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in eps])),
@@ -1438,19 +1440,17 @@ class MetricsLogger:
             return
         m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in m}}
         for k in self.COUNTS:
-            if k in m:   # not in a step whose groups were all dropped as stale
-                m[k] *= self.world
+            m[k] *= self.world
         m.update(evaluated)
         self.history.append(m)
         with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
         if self.wandb:
             self.wandb.log(m, step=step)
-        g = lambda k: m.get(k, math.nan)   # a step whose groups were all dropped as stale has no episode figures
-        self.write(f"step {step:>4} | outcome {g('reward/outcome'):.3f} | turn {g('reward/turn'):.3f} | "
+        self.write(f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
                    f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
-                   f"tool_calls {g('rollout/tool_calls'):.2f} | turns {g('rollout/turns'):.2f} | "
-                   f"tokens {g('rollout/tokens_trained'):.0f} | {m['time/step']:.2f}s")
+                   f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
+                   f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
         if dump:
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
@@ -1463,8 +1463,8 @@ def summarize(cfg: Config, history: list[dict]):
     k = min(10, len(history))
     print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:")
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
-        first, last = (np.mean([h.get(key, np.nan) for h in hs]) for hs in (history[:k], history[-k:]))
-        print(f"  {key:<22} {history[0].get(key, np.nan):.3f} | {first:.3f} -> {last:.3f}")
+        first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
+        print(f"  {key:<22} {history[0][key]:.3f} | {first:.3f} -> {last:.3f}")
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
     for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
         print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))

@@ -91,6 +91,9 @@ def test_a_group_with_a_token_older_than_max_staleness_is_dropped_and_counted():
     kept, m = producer.take(5)
     assert kept == fresh and m["rollout/groups_dropped_stale"] == 1
     assert m["rollout/staleness_max"] == 1 and m["rollout/staleness_mean"] == pytest.approx(2 / 3)
+    producer.ready.put((stale, {"time/rollout": 1.0}))
+    with pytest.raises(RuntimeError, match="every group has a token more than max_staleness=1 versions old"):
+        producer.take(5)
 
 
 def test_a_sync_under_max_staleness_freezes_requests_and_salts_new_ones_before_the_resume(server, tiny, tmp_path):
