@@ -208,9 +208,13 @@ def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_
     calls = recording(client)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
     [prompt] = toy_prompts(env, 1, seed=9)
-    serve(client, model, 1)   # the warm-started weights (an earlier test may have synced trained ones)
+    torch.manual_seed(0)
+    serve(client, type(model)(model.config), 1)   # fresh random weights: near-uniform, so 8 draws differ
+    spread = client.generate([prompt] * 8, [16] * 8, 1.0)
+    assert [c["body"]["n"] for c in calls if c["path"] == "/v1/completions"] == [8], "one request with n=8"
+    assert len({tuple(c.ids) for c in spread}) == 8, "n gives eight independent samples, not one copied"
+    serve(client, model, 2)   # the warm-started weights, which stop at </tool> and end with EOS
     xml = client.generate([prompt] * 8, [48] * 8, 1.0, 1.0, ("</tool>", "</answer>"))
-    assert [c["body"]["n"] for c in calls if c["path"] == "/v1/completions"] == [8] and len({tuple(c.ids) for c in xml}) > 1
     stopped = [c for c in xml if c.finish_reason == "stop" and c.ids[-1] != tok.eos_token_id]   # not an EOS stop
     assert stopped and all(tok.decode(c.ids).endswith(("</tool>", "</answer>")) for c in stopped), \
         "token_ids keep the tokens of the stop string the server cut the text at"
