@@ -45,6 +45,7 @@ Left out on purpose (and why):
 from __future__ import annotations
 
 import ast
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -229,6 +230,10 @@ class Config:
     """none | wandb (set WANDB_MODE=offline to log without network)."""
     wandb_project: str = "mt-grpo"
     """wandb project name."""
+    tool_collapse_alarm: Annotated[float, "[0, 1)"] = 0.5
+    """Warn (once, in the console and as alarm/tool_collapse) when the first turn's tool-call rate, averaged over `tool_collapse_steps` steps, falls below this fraction of its peak (0 = off); the run goes on."""
+    tool_collapse_steps: Annotated[int, ">= 1"] = 5
+    """Steps the tool-call rate is averaged over for the alarm."""
     log_episodes_steps: Annotated[int, ">= 0"] = 10
     """Dump the step's episodes, with the exact tensors trained, to episodes.jsonl every N steps (0 = off)."""
     save_steps: Annotated[int, ">= 0"] = 0
@@ -1405,7 +1410,29 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
             "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
             "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
-            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n}
+            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n,
+            **{f"rollout/tool_rate_turn{i}": sum(called(e) > i for e in eps) / n for i in range(max(map(called, eps), default=0))}}
+
+
+def called(ep: Episode) -> int:
+    """Assistant turns that called a tool: every turn but the last, and the last too if the call limit ended it."""
+    return len(ep.turns) - 1 + (ep.end_reason == "max_env_steps")
+
+
+class ToolCollapseAlarm:
+    """Tool-use collapse (outcome-only credit can teach a policy to stop calling tools): the first turn's tool-call
+    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse."""
+
+    def __init__(self, fraction: float, steps: int):
+        self.fraction, self.recent, self.peak, self.on = fraction, collections.deque(maxlen=steps), 0.0, False
+
+    def update(self, step: int, rate: float) -> str:
+        self.recent.append(rate)
+        mean = sum(self.recent) / len(self.recent)
+        self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
+        was, self.on = self.on, self.fraction > 0 and mean < self.fraction * self.peak
+        return (f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
+                f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}") if self.on and not was else ""
 
 
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
@@ -1425,7 +1452,7 @@ class MetricsLogger:
 
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
         self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
-        self.wandb = None
+        self.wandb, self.alarm = None, ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb_project, dir=cfg.output_dir, config=dataclasses.asdict(cfg),
@@ -1438,10 +1465,13 @@ class MetricsLogger:
         gathered = gather_to_rank0((m, records))
         if self.rank != 0:
             return
-        m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in m}}
+        keys = dict.fromkeys(k for g in gathered for k in g[0])   # a rank may lack a rollout/tool_rate_turnN: rate 0
+        m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in keys}}
         for k in self.COUNTS:
             m[k] *= self.world
         m.update(evaluated)
+        warning = self.alarm.update(step, m.get("rollout/tool_rate_turn0", 0.0))
+        m["alarm/tool_collapse"] = float(self.alarm.on)
         self.history.append(m)
         with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(m) + "\n")
@@ -1451,6 +1481,8 @@ class MetricsLogger:
                    f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
                    f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
                    f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
+        if warning:
+            self.write(warning)
         if dump:
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
