@@ -212,10 +212,11 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
         for p, c in zip(prompts, out["c"]):
             lp, lp_old, lp_new = torch.tensor(c.logprobs), trainer_logprobs(old, p, c.ids, 1.0), trainer_logprobs(new, p, c.ids, 1.0)
             assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, "each token is one model's (bf16 errors to ~0.2)"
-            by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs()).tolist())
+            clear = (lp_old - lp_new).abs() > 1.0   # only tokens whose two logprobs differ well beyond bf16 error say which
+            by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
         assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
         assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == 2), "a version-2 request is all new"
-        assert any(flags[0] < flags[-1] for flags in by_new), "some request was frozen mid-generation and went on"
+        assert any(flags and flags[0] < flags[-1] for flags in by_new), "some request was frozen mid-generation and went on"
         [c] = client.generate([prompts[0]], [4], 1.0)
         assert c.version == 2
     finally:
