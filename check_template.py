@@ -24,6 +24,13 @@ def _sim_search(query: str) -> str:
     return f"Results for {query}: 42 is the answer."
 
 
+# How a scripted turn writes a search call and a final answer in each tool format: what a model would sample.
+SCRIPTED = {"xml": (lambda q: "<tool>" + json.dumps({"name": "_sim_search", "args": {"query": q}}) + "</tool>",
+                    lambda answer: f"<answer>{answer}</answer>"),
+            "native": (lambda q: "<tool_call>\n" + json.dumps({"name": "_sim_search", "arguments": {"query": q}}) + "\n</tool_call>",
+                       lambda answer: answer)}
+
+
 def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[M.Episode, list]:
     """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS
     where the protocol ends turns with it), ("user", text) is a new user query. Returns the episode
@@ -74,8 +81,7 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
     env = M.MultiTurnToolEnv(tokenizer, [_sim_search], cfg)
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
 
-    def call(q):
-        return env.fmt.call_text("_sim_search", {"query": q})
+    call, answer = SCRIPTED.get(tool_format) or (env.fmt.call_text, env.fmt.answer_text)   # another format: its own
 
     report = {"thinking_retention": thinking_retention, "tool_format": tool_format, "settings": {}}
     for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
@@ -83,10 +89,10 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
         th = (lambda x: think.format(x)) if think else (lambda x: "")
         script = [("assistant", th("I should search.") + call("six times seven")),
                   ("assistant", th("Search once more.") + call("multiplication")),
-                  ("assistant", th("Both agree.") + env.fmt.answer_text("42")),
+                  ("assistant", th("Both agree.") + answer("42")),
                   ("user", "Why is that?"),
                   ("assistant", th("Look it up.") + call("why 42")),
-                  ("assistant", th("Now explain.") + env.fmt.answer_text("Because 6 x 7 = 42."))]
+                  ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42."))]
         ep, seen = simulate_episode(env, script, eos)
         violations = check_invariants(ep, seen, env)
         for b in ep.boundaries:

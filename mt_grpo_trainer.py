@@ -27,12 +27,8 @@ The invariants (each has tests; comments below cite them as I1-I6):
 Reading order: config, data types, the method as pure functions (rewards, advantages, loss), tool formats,
 the environment, the train step and loop, the CLI; then an appendix of plumbing the method does not depend on.
 
-Run:
-    bash run.sh [RECIPE.yaml [key=value ...]]                # train (default: the embedded CPU toy task)
-    bash run.sh hf_recipes/Qwen/Qwen2.5-7B--mt-grpo.yaml     # GPUs: vllm serve on GPU 7, torchrun on 0-6
-    bash run.sh eval hf_recipes/toy/toy-kv--mt-grpo.yaml     # greedy evaluation on eval_dataset
-    bash run.sh test                                         # the test suite
-    python mt_grpo_trainer.py --help                         # every recipe key, documented
+Run: `bash run.sh [eval] [RECIPE.yaml [key=value ...]]` (sets up, and starts a vLLM server where the layout has one),
+or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` documents every recipe key.
 
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
@@ -51,6 +47,7 @@ import contextlib
 import dataclasses
 import functools
 import difflib
+import fcntl
 import hashlib
 import importlib.util
 import inspect
@@ -532,12 +529,6 @@ class XMLTools:
     def is_answer(self, text: str) -> bool:
         return bool(ANSWER_RE.search(text))
 
-    def call_text(self, name: str, args: dict) -> str:
-        return "<tool>" + json.dumps({"name": name, "args": args}) + "</tool>"
-
-    def answer_text(self, answer: str) -> str:
-        return f"<answer>{answer}</answer>"
-
 
 class NativeTools:
     """The chat template's own tool calling: JSON schemas in, <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes)
@@ -564,15 +555,9 @@ class NativeTools:
     def is_answer(self, text: str) -> bool:
         return True
 
-    def call_text(self, name: str, args: dict) -> str:
-        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
-    def answer_text(self, answer: str) -> str:
-        return answer
-
-
-# tool_format -> a class with: schemas, stop, args_key, eos_ends_turn, parse, result, is_answer,
-# call_text, answer_text. A new format is one small class and one entry here.
+# tool_format -> a class with: schemas, stop, args_key, eos_ends_turn, parse, result, is_answer.
+# A new format is one small class and one entry here.
 TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 
 
@@ -1026,7 +1011,7 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     """The whole run. Returns the logged metrics, one dict per step."""
     run = setup(cfg, eval_only)   # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
     if eval_only:
-        return run.close([run.evaluate(run.start, record=True)])
+        return run.close([evaluate(run, run.start, record=True)])
     try:
         for step in run.steps:
             t0 = time.time()
@@ -1045,7 +1030,7 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             # 6. log: every rank's means, averaged on rank 0; evaluate when due
             m.update({**episode_metrics(episodes), **m_roll, "rollout/rejected_nonfinite": rejected,
                       "time/train": t_train, "time/step": time.time() - t0})
-            run.logger.log(step + 1, m, episodes, run.evaluate(step + 1) if run.eval_due(step + 1) else {})
+            run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
             stopping = run.stop_requested()
             if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
@@ -1059,14 +1044,14 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     return run.close(run.logger.history)
 
 
-def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], reward_fns: list, step: int) -> dict:
+def evaluate(run, step: int, record: bool = False) -> dict:
     """Greedy rollouts over the eval rows (each rank takes its share), scored by every reward function (the paper's
-    table columns are reward functions). Rank 0 prints the table, writes eval/step-N.jsonl and returns the means."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine, eps = rows[rank::world], []
-    chunk = cfg.prompts_per_step * cfg.num_generations // world
+    table columns are reward functions). Rank 0 prints the table, writes eval/step-N.jsonl (and with `record`, as
+    the `eval` command does, a line of eval/metrics.jsonl) and returns the means."""
+    cfg, rank, world, reward_fns, eps = run.cfg, run.rank, run.world, run.turn_fns + run.outcome_fns, []
+    mine, chunk = run.eval_rows[rank::world], cfg.prompts_per_step * cfg.num_generations // world
     for i in range(0, len(mine), chunk):
-        eps += env.rollout(mine[i:i + chunk], sampler, greedy=True)
+        eps += run.env.rollout(mine[i:i + chunk], run.sampler, greedy=True)
     if eps:
         score(eps, reward_fns, [1.0] * len(reward_fns))
     records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
@@ -1085,6 +1070,9 @@ def evaluate(cfg: Config, env: MultiTurnToolEnv, sampler, rows: list[dict], rewa
     print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
     for k, v in m.items():
         print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
+    if record:
+        with open(os.path.join(cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "model": run.src, **m}) + "\n")
     return m
 
 
@@ -1205,13 +1193,6 @@ class Run:
     def eval_due(self, step: int) -> bool:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
 
-    def evaluate(self, step: int, record: bool = False) -> dict:
-        m = evaluate(self.cfg, self.env, self.sampler, self.eval_rows, self.turn_fns + self.outcome_fns, step)
-        if record and self.main:   # the `eval` command keeps a history of its figures
-            with open(os.path.join(self.cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "model": self.src, **m}) + "\n")
-        return m
-
     def stop_requested(self) -> bool:
         return all_sum(float(self.stop.is_set()))[0] > 0   # any rank's signal stops every rank
 
@@ -1228,7 +1209,8 @@ class Run:
                 summarize(self.cfg, history)
         if self.lock:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self.lock)
+                os.remove(self.lock.name)
+            self.lock.close()
         if dist.is_initialized():
             dist.barrier()   # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
             dist.destroy_process_group()
@@ -1302,37 +1284,27 @@ def load_plugins(run: Run, eval_only: bool):
         raise ConfigError("eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows")
 
 
-def hold_output_dir(cfg: Config, say) -> str:
-    """Rank 0: a run holds its folder with a lock file beside it (`<output_dir>.lock`: PID, host, start), so a
-    second run on the same folder refuses instead of mixing its files in. A lock left by a dead run is taken over."""
-    lock, me = cfg.output_dir.rstrip("/") + ".lock", {"pid": os.getpid(), "host": os.uname().nodename}
-    os.makedirs(os.path.dirname(os.path.abspath(lock)), exist_ok=True)
-    holder = {}
-    with contextlib.suppress(OSError, ValueError), open(lock) as f:
-        holder = json.load(f)
-    if holder and holder.get("pid") != me["pid"]:   # our own pid: an earlier train() in this process that failed
-        if holder.get("host") != me["host"] or pid_alive(holder.get("pid")):
-            raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {holder.get('pid')} on "
-                              f"{holder.get('host')} (since {holder.get('started')}): wait for it, or choose another "
-                              f"output_dir. If that run is gone, delete {lock}.")
-        say(f"[mt-grpo] {lock} was left by a run that is gone (PID {holder.get('pid')}): taking it over")
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(lock)
-    try:   # O_EXCL: of two runs starting at once, one gets the folder
-        with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
-            json.dump({**me, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
-    except FileExistsError:
-        raise ConfigError(f"output_dir '{cfg.output_dir}' was just taken by another run ({lock})") from None
-    return lock
-
-
-def pid_alive(pid) -> bool:
+def hold_output_dir(cfg: Config, say):
+    """Rank 0: a run holds its folder with a lock on `<output_dir>.lock` (which names its PID, host and start), so a
+    second run on the same folder refuses instead of mixing its files in. The OS drops the lock of a run that dies.
+    A POSIX lock belongs to the process: an earlier train() in this process that failed does not block the next."""
+    path = cfg.output_dir.rstrip("/") + ".lock"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = open(path, "a+")
+    f.seek(0)
+    pid, host, since = (f.read().split(" ", 2) + ["", "", ""])[:3]
     try:
-        with contextlib.suppress(PermissionError):   # it exists, as another user's
-            os.kill(int(pid), 0)
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    return True
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {pid} on {host} (since {since}): "
+                          "wait for it, or choose another output_dir") from None
+    if pid and pid != str(os.getpid()):
+        say(f"[mt-grpo] {path} was left by a run that is gone (PID {pid}): taking it over")
+    f.truncate(0)
+    f.write(f"{os.getpid()} {os.uname().nodename} {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    f.flush()
+    return f
 
 
 def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
@@ -1361,11 +1333,7 @@ def build_model_if_missing(cfg: Config, say):
     if os.path.isfile(report_path):
         with open(report_path) as f:
             rep = json.load(f)
-        ws = rep.get("warmstart")
-        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params" + (
-            f"; supervised warm-start of {ws.get('steps')} steps on {ws.get('demonstrations')} generated "
-            f"demonstrations (final loss {ws.get('final_loss')}, {ws.get('seconds')} s)" if ws else
-            f" ({rep.get('seconds')} s)"))
+        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', report_path)}")
 
 
 def load_models(cfg: Config, src: str, device: torch.device):

@@ -167,7 +167,8 @@ def build(out_dir: str, system_prompt: str = "") -> dict:
               "chat_template": "from the GGUF metadata (tokenizer.chat_template)",
               "special_tokens": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token},
               "seconds": {"download": round(t_download, 1), "convert": round(t_convert, 1),
-                          "save": round(time.time() - t2, 1), "total": round(time.time() - t0, 1)}}
+                          "save": round(time.time() - t2, 1), "total": round(time.time() - t0, 1)},
+              "summary": f"converted from {name} in {PACKAGE}=={VERSION} ({time.time() - t0:.1f} s)"}
     with open(os.path.join(out_dir, "build_report.json"), "w") as f:
         json.dump(report, f, indent=2)
     say(f"saved {report['params'] / 1e6:.1f}M params (float32) and the tokenizer to {out_dir} "

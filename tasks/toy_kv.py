@@ -125,9 +125,10 @@ def build_model(path: str, system_prompt: str = ""):
         loss.backward()
         opt.step()
         sched.step()
-    report = {"builder": "tasks/toy_kv.py", "params": sum(p.numel() for p in model.parameters()),
-              "vocab_size": len(tok), "warmstart": {**WARMSTART, "final_loss": round(loss.item(), 4),
-                                                    "seconds": round(time.time() - t0, 1)}}
+    ws = {**WARMSTART, "final_loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)}
+    report = {"builder": "tasks/toy_kv.py", "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+              "warmstart": ws, "summary": f"supervised warm-start of {ws['steps']} steps on {ws['demonstrations']} generated "
+                                          f"demonstrations (final loss {ws['final_loss']}, {ws['seconds']} s)"}
     model.save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, "build_report.json"), "w") as f:
