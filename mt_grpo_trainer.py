@@ -182,6 +182,14 @@ class Config:
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    lora_rank: Annotated[int, "[0, 512]"] = 0
+    """LoRA (peft) adapter rank; 0 = full fine-tuning. Only the adapters train, and only they are synced to vLLM and saved."""
+    lora_alpha: Annotated[float, "> 0"] = 16.0
+    """LoRA scale: an adapter's update is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: Annotated[float, "[0, 1)"] = 0.0
+    """Dropout on the adapters' input in training (0: the trainer scores the distribution the sampler sampled)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters, by name (q_proj, v_proj, ...), or all-linear: every linear layer but the output head."""
     seed: Annotated[int, ">= 0"] = 0
     """Seed for data order, sampling and initialisation."""
     # --- evaluation
@@ -861,8 +869,9 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
         for mb in mbs:
             if cfg.num_iterations > 1:
                 mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-            if cfg.beta > 0:
-                mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
+            if cfg.beta > 0:   # with LoRA the reference is the policy itself with its adapters off
+                with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
+                    mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
     return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
 
 
@@ -1082,7 +1091,8 @@ def print_help():
     docs, hints, allowed, ranges = field_docs(), typing.get_type_hints(Config), choices(), field_ranges()
     print(__doc__.split("\n\nThe invariants")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
           "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
-          "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n\nrecipe keys:")
+          "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
+          "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:")
     for f in dataclasses.fields(Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         one_of = f"; one of {', '.join(allowed[f.name])}" if f.name in allowed else ""
@@ -1097,6 +1107,8 @@ def main(argv=None):
         return print_help()
     if argv[0] == "check-template":   # the template simulator lives beside this file, off the training path
         sys.exit(load_object("check_template.py:main", "check-template")(argv[1:]))
+    if argv[0] == "merge-lora":
+        return merge_lora(*argv[1:]) if len(argv) == 3 else sys.exit("usage: python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR")
     eval_only = argv[0] == "eval"
     if argv[0] in ("train", "eval"):
         argv = argv[1:]
@@ -1277,6 +1289,8 @@ def load_plugins(run: Run, eval_only: bool):
         raise ConfigError(f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
                           "sync_every=1: the in-process sampler shares the weights being trained, and staleness is counted "
                           "in weight versions. Set max_staleness=0, or serve the policy with vLLM.")
+    if cfg.lora_rank and cfg.weight_sync == "nccl":
+        raise ConfigError("lora_rank > 0 syncs only the adapter, which the server loads from a folder: set weight_sync=filesystem")
     if cfg.fsdp and not cfg.vllm_server_url:
         raise ConfigError("fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
                           "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
@@ -1337,19 +1351,36 @@ def build_model_if_missing(cfg: Config, say):
 
 
 def load_models(cfg: Config, src: str, device: torch.device):
-    """Tokenizer, float32 policy, frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW and its LR schedule."""
+    """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
+    frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path if cfg.lora_rank else src,
+                                                          dtype=torch.float32), cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
-    ref_model = (AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
-                 .requires_grad_(False) if cfg.beta > 0 else None)   # replicated on every rank, inference only
-    policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF module
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  betas=tuple(cfg.adam_betas))
+    ref_model = model if cfg.lora_rank else (AutoModelForCausalLM.from_pretrained(
+        cfg.model_name_or_path, dtype=torch.float32).to(device).eval().requires_grad_(False) if cfg.beta > 0 else None)
+    policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF (or peft) module
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+def add_lora(model, cfg: Config, src: str = ""):
+    """lora_rank > 0: peft adapters on the frozen base model, the checkpoint's own when `src` holds one. A new
+    adapter is initialised from `seed` alone, so every rank starts from the same one (FSDP2 does not broadcast)."""
+    if not cfg.lora_rank:
+        return model
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if os.path.isfile(os.path.join(src, "adapter_config.json")):
+        return PeftModel.from_pretrained(model, src, is_trainable=True)
+    targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                target_modules=targets))
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
@@ -1553,12 +1584,14 @@ class VLLMServerClient:
         self.policy_version = 0   # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
         self.nccl = None          # the NCCL group with the server's workers, made on the first nccl sync
+        self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
         self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
         self.model, self.max_model_len = info["id"], int(info["max_model_len"])
 
-    def request(self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, **kw) -> dict:
+    def request(self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, plain: bool = False,
+                **kw) -> dict:
         end = time.monotonic() + (deadline or self.cfg.request_deadline)
         delay, attempt = 0.5, 0
         while True:
@@ -1573,7 +1606,7 @@ class VLLMServerClient:
                     raise requests.HTTPError(f"HTTP {r.status_code}: {r.text[:200]}")   # retried below
                 if r.status_code >= 400:   # our request is wrong (or the server's worker failed): retrying cannot help
                     raise SamplerError(f"{method} {self.url}{path} was refused: HTTP {r.status_code}: {r.text[:500]}")
-                return r.json()
+                return {"text": r.text} if plain else r.json()   # plain: the LoRA routes answer in plain text
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     requests.exceptions.JSONDecodeError, requests.HTTPError) as e:
                 last = e
@@ -1633,8 +1666,8 @@ class VLLMServerClient:
                 "skip_special_tokens": False}
         end = time.monotonic() + self.cfg.request_deadline
         while True:
-            version = self.policy_version   # a retry after a sync samples from the new weights
-            body["cache_salt"] = f"{self.run_tag}-v{version}"
+            version = self.policy_version   # a retry after a sync samples from the new weights (LoRA: adapter)
+            body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
             choices = sorted(self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()),
                                           json=body).get("choices") or [], key=lambda c: c.get("index", 0))
             if not any(c.get("finish_reason") in ("abort", "error") for c in choices) or time.monotonic() > end:
@@ -1645,8 +1678,8 @@ class VLLMServerClient:
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check."""
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
-                "cache_salt": f"{self.run_tag}-probe"}
+        body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0, "cache_salt": f"{self.run_tag}-probe"}
         lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
         if not isinstance(lps, list) or len(lps) != len(ids):
             raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
@@ -1673,6 +1706,9 @@ class VLLMServerClient:
             return self.sync_weights_nccl(state_dict, version)
         path = os.path.join(self.sync_dir, f"step_{version}")   # a fresh folder every time (vLLM #32718)
         shutil.rmtree(path, ignore_errors=True)
+        if self.cfg.lora_rank:
+            model.save_pretrained(path, state_dict=state_dict)   # peft writes the adapter alone
+            return self.load_adapter(path, version)
         model.save_pretrained(path, safe_serialization=True, state_dict={   # makes sync_dir too
             k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()})
         with self.weight_update(version):
@@ -1682,7 +1718,26 @@ class VLLMServerClient:
             except SamplerError as e:   # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
                 raise SamplerError(f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
                                    "the server (its model is left half-loaded), then resume_from_checkpoint=auto") from None
-        self.cleanup(keep=os.path.basename(path))
+        self.cleanup(keep=[os.path.basename(path)])
+
+    def model_for(self, version: int) -> str:
+        """What requests name: with LoRA the adapter of `version` (every rank knows its name), else the served model."""
+        return f"mt-grpo-{self.run_tag}-v{version}" if self.cfg.lora_rank else self.model
+
+    def load_adapter(self, path: str, version: int):
+        """LoRA: the server adds the new adapter beside the base model under a new name, which requests name from now
+        on; a request already sent keeps its own. The last max_staleness + 2 adapters stay loaded, older ones go."""
+        name = self.model_for(version)
+        try:
+            self.request("POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True,   # in place: a retry, or a
+                         json={"lora_name": name, "lora_path": path, "load_inplace": True})   # resumed run, is harmless
+        except SamplerError as e:
+            raise SamplerError(f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
+                               "rank >= lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (run.sh adds them)") from None
+        self.policy_version, self.adapters = version, self.adapters + [(name, path)]
+        while len(self.adapters) > self.cfg.max_staleness + 2:
+            self.request("POST", "/v1/unload_lora_adapter", plain=True, json={"lora_name": self.adapters.pop(0)[0]})
+        self.cleanup(keep=[os.path.basename(p) for _, p in self.adapters])
 
     @contextlib.contextmanager
     def weight_update(self, version: int):
@@ -1729,9 +1784,14 @@ class VLLMServerClient:
     def sync_dir(self) -> str:   # one folder per run, so runs that share weight_sync_dir never clean up each other
         return os.path.join(self.cfg.weight_sync_dir, os.path.basename(os.path.abspath(self.cfg.output_dir)))
 
-    def cleanup(self, keep: str = ""):
-        for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - {keep}:
+    def cleanup(self, keep=()):
+        """Remove the synced folders but `keep`; at the end of a run (keep nothing) unload this run's adapters too."""
+        for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - set(keep):
             shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
+        while not keep and self.adapters:
+            with contextlib.suppress(SamplerError):
+                self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True,
+                             json={"lora_name": self.adapters.pop()[0]})
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -1810,14 +1870,19 @@ def wrap_model(model, cfg: Config, device: torch.device):
 
 def full_state(model, optimizer=None, fsdp: bool = False):
     """Full (unsharded, CPU) model and optimizer state dicts, for rank 0. Call on every rank: under FSDP
-    it is a collective; replicated (DDP) ranks other than 0 get (None, None) without copying anything."""
+    it is a collective; replicated (DDP) ranks other than 0 get (None, None) without copying anything.
+    With LoRA only the adapters' tensors: the frozen base is never copied, synced or saved."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}   # a tied head is the (frozen) embedding
     if not fsdp:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None, None
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer.state_dict() if optimizer else None
+        return ({k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains},
+                optimizer.state_dict() if optimizer else None)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
+    return ({k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
+            get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None)
 
 
 # === E. Checkpoints and resume ===========================================================
@@ -1839,6 +1904,19 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
+
+
+def merge_lora(checkpoint: str, out: str):
+    """A LoRA checkpoint's adapter merged into its base model (the folder the adapter names): a plain HF model
+    folder, for `eval`, vLLM or release."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+    if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
+        sys.exit(f"mt-grpo: error: {checkpoint} holds no LoRA adapter (adapter_config.json); a checkpoint of full "
+                 "fine-tuning is a model folder already")
+    AutoPeftModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).merge_and_unload().save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    print(f"[mt-grpo] {checkpoint} merged into {out}")
 
 
 def find_checkpoint(cfg: Config) -> str | None:

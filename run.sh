@@ -6,6 +6,7 @@
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
 #   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM server, in the foreground
 #   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
+#   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
 # Layouts (MTGRPO_LAYOUT):
 #   server  vLLM serves the policy, torchrun trains. On GPUs: `vllm serve` on the recipe's vllm_gpus,
 #           one rank per train_gpus. Without GPUs: vLLM's CPU build, and MTGRPO_NPROC ranks (1).
@@ -59,7 +60,7 @@ case "${1:-}" in
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
         MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${where[@]+"${where[@]}"} "$@" ;;
   "")   exec "$PY" mt_grpo_trainer.py "$DEFAULT_RECIPE" ;;
-  -*|help|check-template) exec "$PY" mt_grpo_trainer.py "$@" ;;
+  -*|help|check-template|merge-lora) exec "$PY" mt_grpo_trainer.py "$@" ;;
 esac
 
 # --- training (or `eval`uating, or only `serve`ing) a recipe: which layout?
@@ -84,7 +85,7 @@ try:
 except M.ConfigError as e:
     sys.exit(f"mt-grpo: error: {e}")
 for k in ("model_name_or_path", "model_builder", "vllm_server_url", "vllm_gpus", "train_gpus",
-          "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync"):
+          "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync", "lora_rank", "max_staleness"):
     print(f"CFG_{k}={shlex.quote(str(getattr(cfg, k)))}")
 PYEOF
 ) || exit 1
@@ -107,6 +108,11 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   LOG=${MTGRPO_VLLM_LOG:-vllm-$PORT.log}
   local extra=()
   [ "$CFG_weight_sync" = nccl ] && extra+=(--weight-transfer-config '{"backend":"nccl"}')
+  if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapter, at run time, beside the base model
+    local rank; for rank in 1 8 16 32 64 128 256 320 512; do [ "$rank" -ge "$CFG_lora_rank" ] && break; done
+    extra+=(--enable-lora --max-lora-rank "$rank" --max-loras $((CFG_max_staleness + 1)))
+    export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+  fi
   HEALTH="import requests,sys; sys.exit(requests.get('http://127.0.0.1:$PORT/health', timeout=5).status_code != 200)"
   if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then   # something listens there: a busy server may answer /health late
     echo "[run.sh] error: a server already answers on port $PORT. Use it with --server-url http://127.0.0.1:$PORT," \
@@ -141,7 +147,37 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   export MTGRPO_VLLM_LOG=$LOG   # a trainer that finds the server dead shows the log's last lines
 }
 
+check_shared_gpu() {   # vllm_gpus and train_gpus name the same GPU: do vLLM's share and training's weights fit on it?
+  local shared; shared=$(comm -12 <(tr ',' '\n' <<<"$CFG_vllm_gpus" | sort) <(tr ',' '\n' <<<"$CFG_train_gpus" | sort) | head -1)
+  [ -n "$shared" ] || return 0
+  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$shared" | head -1)
+  "$PY" - "$shared" "$mib" "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF'
+import sys, torch, mt_grpo_trainer as M
+from transformers import AutoConfig, AutoModelForCausalLM
+gpu, total, cfg = sys.argv[1], float(sys.argv[2]) / 1024, M.load_config(sys.argv[3], sys.argv[4:])
+try:
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model_name_or_path)).parameters())
+except Exception as e:   # e.g. a hub id without network: vLLM will say whether it fits
+    sys.exit(print(f"[run.sh] warning: could not size {cfg.model_name_or_path} ({e}); not checking GPU {gpu}'s memory"))
+server, left = cfg.vllm_gpu_memory_utilization * total, (1 - cfg.vllm_gpu_memory_utilization) * total
+# float32 weights, plus (full fine-tuning) gradients and AdamW's two moments and a reference model when beta > 0
+train = n * (4 if cfg.lora_rank else 16 + 4 * (cfg.beta > 0)) / 2**30
+print(f"[run.sh] GPU {gpu} is shared: vLLM takes {server:.1f} GiB ({cfg.vllm_gpu_memory_utilization} of {total:.0f}); "
+      f"training's weights{'' if cfg.lora_rank else ', gradients and AdamW'} need ~{train:.1f} GiB of the {left:.1f} GiB left, "
+      "before activations")
+if 2 * n / 2**30 > server:
+    sys.exit(f"[run.sh] error: vLLM's share of GPU {gpu} ({server:.1f} GiB) cannot hold the model's bf16 weights "
+             f"({2 * n / 2**30:.1f} GiB): raise vllm_gpu_memory_utilization")
+if train > left:
+    sys.exit(f"[run.sh] error: training needs ~{train:.1f} GiB on GPU {gpu} but vLLM leaves {left:.1f} GiB: lower "
+             "vllm_gpu_memory_utilization, set lora_rank (the frozen base needs no gradients or AdamW state), or give vLLM "
+             "a GPU of its own (vllm_gpus)")
+PYEOF
+}
+
 if [ "$HAVE_GPU" = 1 ]; then
+  [ -z "$CFG_vllm_server_url" ] && { check_shared_gpu || exit 1; }
   NPROC=$(echo "$CFG_train_gpus" | tr ',' '\n' | grep -c .)
   TRAIN_ENV=(CUDA_VISIBLE_DEVICES="$CFG_train_gpus"); WHERE="GPU(s) $CFG_train_gpus"
   [ -z "$CFG_vllm_server_url" ] && start_server "GPU(s) $CFG_vllm_gpus" CUDA_VISIBLE_DEVICES="$CFG_vllm_gpus" \

@@ -34,13 +34,13 @@ def update(model_dir: str, overrides: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
     cfg = M.load_config(None, ["learning_rate=1.0", "max_grad_norm=0", *overrides])
     rank, world, device = M.init_distributed(cfg) if ("RANK" in os.environ or cfg.fsdp) else (0, 1, torch.device("cpu"))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = M.add_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)   # as load_models
     if cfg.gradient_checkpointing:   # as train() does
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     groups = fixed_batch(model.config.vocab_size)
     mine = [s for g in groups[rank::world] for s in g]   # whole groups per rank
     policy = M.wrap_model(model, cfg, device)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate)   # the update is the gradient itself
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)   # the update is the gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = M.train_on_samples(policy, None, opt, sched, mine, cfg, pad_id=0)
     sd, _ = M.full_state(model, None, cfg.fsdp)

@@ -21,20 +21,24 @@ def torchrun(args, timeout=240, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-@pytest.mark.parametrize("layout,budget", [("ddp", 0), ("ddp", 90), ("fsdp", 0), ("fsdp", 90), ("fsdp+checkpointing", 90)])
+@pytest.mark.parametrize("layout,budget", [("ddp", 0), ("ddp", 90), ("fsdp", 0), ("fsdp", 90), ("fsdp+checkpointing", 90),
+                                           ("ddp+lora", 0), ("fsdp+lora+checkpointing", 90)])
 def test_two_ranks_give_the_update_of_one(tiny_model_dir, tmp_path, layout, budget):
+    lora = ["lora_rank=4", "lora_target_modules=[q_proj,up_proj]"] if "lora" in layout else []
     overrides = [f"fsdp={'true' if layout.startswith('fsdp') else 'false'}", f"max_tokens_per_microbatch={budget}",
-                 "micro_batch_size=3", f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}"]
+                 "micro_batch_size=3", f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}", *lora]
     r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *overrides])
     assert r.returncode == 0, r.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt")
-    one_sd, one_m = update(tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3"])
+    one_sd, one_m = update(tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora])
     from transformers import AutoModelForCausalLM
     before = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == bool(lora) for k in one_sd), \
+        "LoRA: the adapters' tensors alone, from every layout"
     moved = 0.0
     for k, v in one_sd.items():
         torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-        moved = max(moved, (v - before[k]).abs().max().item())
+        moved = max(moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k))
     assert moved > 1e-3, "the update did nothing, so the comparison proves nothing"
     assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7)
 

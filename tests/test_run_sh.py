@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def fake_bin(tmp_path, vllm_body: str):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: GPU-0)'\necho 'GPU 1: Fake (UUID: GPU-1)'\n"
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=memory.total) echo \"${FAKE_GPU_MIB:-81559}\"; exit;; esac\n"
+                                        "echo 'GPU 0: Fake (UUID: GPU-0)'\necho 'GPU 1: Fake (UUID: GPU-1)'\n"
                                         "echo 'GPU 2: Fake (UUID: GPU-2)'\n")
     (bin_dir / "vllm").write_text(vllm_body)
     for f in bin_dir.iterdir():
@@ -99,3 +100,23 @@ def test_a_port_already_serving_is_refused_not_trained_against(tmp_path, tiny_mo
                    "train_gpus=0,1", f"output_dir={tmp_path}/run", timeout=120)
     assert r.returncode != 0 and f"a server already answers on port {port}" in r.stderr
     assert not (tmp_path / "launched").exists()
+
+
+def test_one_gpu_for_vllm_and_training_is_checked_before_launch(tmp_path, tiny_model_dir):
+    """vllm_gpus = train_gpus: the server takes vllm_gpu_memory_utilization of the GPU, and run.sh says whether
+    training's weights (and, fully fine-tuned, gradients and AdamW) fit in the rest, before it starts anything."""
+    bin_dir = fake_bin(tmp_path, "#!/bin/sh\nexit 3\n")   # a server that dies at start: only the check matters here
+    # the tiny model has 66,688 parameters: full fine-tuning needs 16 bytes each (1.0 MiB), LoRA 4 (0.25 MiB), and
+    # vLLM 2 (bf16); a fake GPU of 1 MiB with half of it for vLLM fits the LoRA run only
+    args = ("hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=",
+            "vllm_gpus=0", "train_gpus=0", f"output_dir={tmp_path}/run")
+    r = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.5", extra_env={"FAKE_GPU_MIB": "1"})
+    assert r.returncode != 0 and "error: training needs" in r.stderr and "set lora_rank" in r.stderr, r.stdout + r.stderr
+    assert "vLLM serves" not in r.stdout, "nothing was launched"
+    lora = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.5", "lora_rank=4",
+                  extra_env={"FAKE_GPU_MIB": "1"})
+    assert "GPU 0 is shared: vLLM takes 0.0 GiB" in lora.stdout and "error: training needs" not in lora.stderr
+    assert "exited before it was healthy" in lora.stderr, "LoRA fits (no gradients or AdamW for the base): the launch goes on"
+    tight = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.0001", "lora_rank=4",
+                   extra_env={"FAKE_GPU_MIB": "1"})
+    assert "cannot hold the model's bf16 weights" in tight.stderr and "raise vllm_gpu_memory_utilization" in tight.stderr
