@@ -51,8 +51,9 @@ def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos
 
 def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list[str]:
     """I1-I3 and I5 on one simulated episode, as readable violations."""
-    bad = []
-    for t, (prompt, ids) in enumerate(seen):
+    bad, untrained = [], {b["turn"] - 1: b["realigned"] for b in ep.boundaries}   # REALIGN's cut of a turn's tail
+    for t, (prompt, full) in enumerate(seen):
+        ids = full[:len(full) - untrained.get(t, 0)]
         s = next((s for s in ep.samples if s.input_ids[:len(prompt)] == prompt and
                   s.input_ids[len(prompt):len(prompt) + len(ids)] == ids), None)
         if s is None:
@@ -63,8 +64,9 @@ def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list
         if not len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx):
             bad.append(f"I2: sample {k}'s per-token lists differ in length")
     trained = sum(sum(s.loss_mask) for s in ep.samples)
-    if trained != sum(len(ids) for _, ids in seen):
-        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled")
+    if trained != sum(len(ids) for _, ids in seen) - ep.realigned_tokens:
+        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled "
+                   f"and {ep.realigned_tokens} realigned")
     try:
         env.check_tokenization(ep)
     except M.TokenizationMismatch as e:
@@ -96,7 +98,10 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
         ep, seen = simulate_episode(env, script, eos)
         violations = check_invariants(ep, seen, env)
         for b in ep.boundaries:
-            if not b["extends"]:
+            if b["realigned"]:
+                b["why"] = ("the chat template re-renders only the previous turn's tail (whitespace or an end marker): "
+                            "REALIGN keeps one sample, and those sampled tokens become context")
+            elif not b["extends"]:
                 b["why"] = ("the chat template renders earlier turns differently once a new user query arrives "
                             "(e.g. it drops past <think> blocks): the sample forks here" if b["kind"] == "user" else
                             "the chat template re-renders the previous turn differently from what was sampled: the sample forks")
@@ -134,7 +139,8 @@ def main(argv=None):
     else:
         print(f"check-template: {a.tokenizer} (thinking_retention={a.thinking_retention}, tool_format={a.tool_format})")
         for name, x in r["settings"].items():
-            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'FORK'}" for b in x["boundaries"])
+            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
+                             for b in x["boundaries"])
             print(f"  {name:<12} {x['turns']} turns -> {x['samples_per_episode']} sample(s) | boundaries: {marks}")
             for b in x["boundaries"]:
                 if not b["extends"]:
@@ -142,7 +148,8 @@ def main(argv=None):
             for v in x["violations"]:
                 print(f"      VIOLATION {v}")
         print("  extension holds on every boundary" if r["extension_holds"] else
-              "  extension breaks at the boundaries marked FORK (counted as rollout/forks in training)")
+              "  extension breaks at the boundaries marked REALIGN (one sample; rollout/realigns in training) or FORK "
+              "(a new sample; rollout/forks)")
     return 1 if r["violations"] else 0
 
 

@@ -15,9 +15,10 @@ The invariants (each has tests; comments below cite them as I1-I6):
   I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages
      have the same length.
   I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0.
-  I4 extension. A sample grows only while each new prompt starts with everything the sample holds.
-     When it does not (the template rewrote history, or thinking was compacted), the sample closes and
-     a new one starts from exactly what the sampler sees next: a counted fork. Merged turns cost O(T).
+  I4 extension. A sample grows only while each new prompt starts with everything the sample holds (or, a
+     counted REALIGN, all but a last turn's tail of whitespace or end markers, which becomes context). When it
+     does not (the template rewrote history, or thinking was compacted), the sample closes and a new one starts
+     from exactly what the sampler sees next: a counted fork. Merged turns cost O(T).
   I5 template faithfulness. What the sampler sees is the chat template's rendering of the conversation
      under `thinking_retention`; a tokenization check against a fresh full rendering reports any drift.
   I6 no silent junk. A failed request, a bad tool call, a tool error or timeout, or a truncated turn
@@ -114,6 +115,8 @@ class Config:
     """Seconds a tool call may run; past it the model gets an error result and the episode goes on."""
     tool_output_max_chars: Annotated[int, ">= 1"] = 8000
     """A tool result longer than this is cut (with a note saying so) before it is tokenized."""
+    realign_max_tokens: Annotated[int, ">= 0"] = 16
+    """REALIGN: a fresh rendering that departs from the held text only in the last turn's sampled tail, past which at most this many sampled tokens hold nothing but whitespace or special tokens, turns them into context (mask 0) in the same sample instead of forking (0 = always fork)."""
     tokenization_check: str = "ignore_strippable"
     """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
@@ -316,6 +319,8 @@ class Episode:
     tool_output_replaced: int = 0                           # characters of tool output the tokenizer could not take
     first_result_turn: int | None = None                    # first assistant turn after a tool result
     forks: int = 0
+    realigns: int = 0                                       # boundaries where REALIGN kept one sample (next_prompt)
+    realigned_tokens: int = 0                               # sampled tokens REALIGN turned into context (mask 0)
     rewards: dict[str, float] = field(default_factory=dict)
     turn_reward: float = 0.0
     outcome_reward: float = 0.0
@@ -684,7 +689,9 @@ class MultiTurnToolEnv:
           turn 1 sample  A1 = "<answer>v</answer>"            sample = [P0][A0][S1][A1]   (one sample: O(T))
         Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1 would not
         start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1] (a fork, counted in
-        rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks."""
+        rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks.
+        REALIGN: had R1 only dropped A0's trailing "\n" (Llama 3.1 trims content), A0's tokens up to it stay
+        trained and R1's rest is appended as context: [P0][A0 but "\n"][S1'], one sample (see `realign_point`)."""
         text = self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
@@ -693,7 +700,13 @@ class MultiTurnToolEnv:
             held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[max(ep.raw, default=-1) + 1:]) else "tool"
             extends = text.startswith(held)
-            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends})
+            keep = None if extends else self.realign_point(s, text)
+            gone = sum(s.loss_mask[keep:]) if keep is not None else 0   # the last turn's sampled tokens REALIGN untrains
+            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
+            if keep is not None:
+                ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
+                s.truncate(keep)
+                held, extends = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False), True
             if extends:
                 s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
                 return list(s.input_ids)
@@ -702,6 +715,23 @@ class MultiTurnToolEnv:
         s.append(self.tok.encode(text, add_special_tokens=False), mask=0)
         ep.samples.append(s)
         return list(s.input_ids)
+
+    def realign_point(self, s: Sample, text: str) -> int | None:
+        """REALIGN (a tail wobble, not a rewrite): the fresh rendering keeps everything before the last turn's sampled
+        tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
+        special tokens (a trimmed newline, a re-rendered end marker). Returns how many held tokens to keep, or None."""
+        lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
+        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        head, tail = dec(s.input_ids[:lp]), s.input_ids[lp:]
+        if not n or not text.startswith(head):
+            return None
+        for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):   # keep the most sampled tokens that still match
+            kept = head + dec(tail[:k])
+            if text.startswith(kept):
+                gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                rest = gone[len(os.path.commonprefix([gone, text[len(kept):]])):]   # what the fresh text does not repeat
+                return lp + k if not rest.strip() else None
+        return None
 
     def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
         """Run one turn's tool calls, all episodes' at once, appending each result to its episode. Every failure
@@ -1404,6 +1434,7 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
             "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
             "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
+            "rollout/realigns": sum(e.realigns for e in eps) / n, "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
             "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
             # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
             "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
@@ -1435,7 +1466,7 @@ class ToolCollapseAlarm:
 
 
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
-    same = ("messages", "end_reason", "tool_calls", "tool_errors", "forks", "boundaries", "tokenization_mismatches",
+    same = ("messages", "end_reason", "tool_calls", "tool_errors", "forks", "realigns", "boundaries", "tokenization_mismatches",
             "rewards", "turn_reward", "outcome_reward")   # recorded under the Episode field's own name
     return {"step": step, "episode": i, "group": i // cfg.num_generations, **{k: getattr(ep, k) for k in same},
             "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,

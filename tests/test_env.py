@@ -197,3 +197,23 @@ def test_a_turns_tool_calls_run_at_once_and_a_hung_tool_never_blocks_the_exit(to
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=M.__file__.rsplit("/", 1)[0])
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     assert float(r.stdout.split("turn seconds")[1].split()[0]) < 3
+
+
+def test_a_128_turn_tool_episode_stays_one_sample_of_linear_size(tok, tmp_path):
+    """128 tool calls, then an answer: every turn extends the one sample (I4), each turn's ids follow exactly the
+    prompt the sampler saw (I1), only sampled ids are trained (I3), the strict tokenization check passes (I5), and
+    the sample holds each token once: linear in the turns, where one sample per turn would be quadratic."""
+    keys = list(TABLE)
+    script = [tool_call(keys[t % len(keys)]) for t in range(128)] + [f"<answer>{TABLE[keys[0]]}</answer>"]
+    env = make_env(tok, tmp_path, "max_env_steps=200", "max_seq_len=100000", "tokenization_check=strict")
+    sampler = ScriptedSampler(tok, script)
+    [ep] = env.rollout([{"prompt": "What is the value of golf?"}], sampler)
+    assert len(ep.turns) == 129 and ep.tool_calls == 128 and ep.tool_errors == 0 and ep.end_reason == "answer"
+    assert len(ep.samples) == 1 and ep.forks == ep.realigns == 0 and ep.tokenization_mismatches == 0
+    s = ep.samples[0]
+    assert len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions)
+    for prompt, sent in zip(sampler.prompts, sampler.sent):
+        assert s.input_ids[:len(prompt)] == prompt and s.input_ids[len(prompt):len(prompt) + len(sent)] == sent
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == [i for ids in sampler.sent for i in ids]
+    per_turn = sum(t.prompt_len + len(t.ids) for t in ep.turns)   # what one sample per turn would hold
+    assert len(s.input_ids) == len(sampler.prompts[-1]) + len(sampler.sent[-1]) and per_turn > 50 * len(s.input_ids)

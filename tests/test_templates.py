@@ -161,7 +161,12 @@ def test_a_second_eos_token_ends_the_turn_without_a_mismatch(qwen3):
                             enc("<think>\ny\n</think>\n\nDone.") + [other_eos]])
     [ep] = native_env(qwen3).rollout([{"prompt": "q"}], sampler)
     assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.tokenization_mismatches == 0
-    assert [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
+    # the template ends the call turn with its own <|im_end|>: REALIGN turns the sampled end marker into context
+    assert len(ep.samples) == 1 and ep.realigns == 1 and ep.realigned_tokens == 1 and ep.forks == 0
+    assert [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0][:-1] + sampler.sent[1]
+    off = native_env(qwen3, realign_max_tokens=0).rollout([{"prompt": "q"}], Turns(qwen3, sampler.script))[0]
+    assert len(off.samples) == 2 and off.forks == 1 and off.realigns == 0, "realign_max_tokens=0: always fork"
+    assert [i for s in off.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
 
 
 def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
@@ -235,3 +240,40 @@ def test_check_template_cli_json():
     assert out["extension_holds"] is False and out["violations"] == []
     assert out["settings"]["thinking"]["samples_per_episode"] == 2 and out["samples_per_episode"] == 5
     assert {"setting", "turn", "kind", "extends"} <= set(out["boundaries"][0])
+
+
+def test_realign_under_a_template_that_trims_content_keeps_one_sample_and_a_real_rewrite_still_forks(qwen3):
+    """Llama 3.1's template trims every message's content: an answer sampled with a trailing blank line comes back
+    without it at the next turn. REALIGN keeps one sample and untrains only the tail that holds no content (the
+    blank line and the end marker); realign_max_tokens=0 forks there instead; check-template reports it."""
+    llama = with_template(qwen3, "llama3_1")
+    script = [("assistant", "It is 42.\n\n"), ("user", "Why?"), ("assistant", "Because six times seven is 42.")]
+    env = native_env(llama)
+    ep, seen = CT.simulate_episode(env, script, llama.eos_token_id)
+    assert len(ep.samples) == 1 and ep.forks == 0 and ep.realigns == 1 and ep.boundaries[0]["realigned"] == 2
+    assert ep.realigned_tokens == 2 and CT.check_invariants(ep, seen, env) == []     # "\n\n" and <|im_end|>
+    s = ep.samples[0]
+    assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == seen[0][1][:-2] + seen[1][1], "I1: sampled ids only"
+    assert s.input_ids[:len(seen[1][0])] == seen[1][0], "the next prompt is the sample as realigned"
+    assert env.check_tokenization(ep) == 0
+    off_env = native_env(llama, realign_max_tokens=0)
+    off, _ = CT.simulate_episode(off_env, script, llama.eos_token_id)
+    assert len(off.samples) == 2 and off.forks == 1 and off.realigns == 0
+    # a rewrite that changes content is not a wobble: a template that drops the last turn's final word forks
+    wobble = with_template(qwen3, "qwen2_5")
+    wobble.chat_template = wobble.chat_template.replace("message.content", "(message.content | replace('42.', '42'))")
+    ep2, seen2 = CT.simulate_episode(native_env(wobble), script, wobble.eos_token_id)
+    assert ep2.forks == 1 and ep2.realigns == 0 and CT.check_invariants(ep2, seen2, native_env(wobble)) == []
+
+
+def test_check_template_reports_realign_boundaries(qwen3, capsys):
+    llama_dir = os.path.join(FIX, "llama3_1_chat_template.jinja")
+    code = CT.main(["--tokenizer", os.path.join(FIX, "qwen3_tokenizer"), "--chat-template", llama_dir, "--tool-format", "xml",
+                    "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["violations"] == []
+    assert all(b["extends"] or not b["realigned"] for b in r["boundaries"])
+    fake = {"settings": {"x": {"turns": 2, "samples_per_episode": 1, "violations": [],
+                               "boundaries": [{"kind": "user", "extends": False, "realigned": 2, "turn": 1, "why": "w"}]}}}
+    assert "user:REALIGN" in " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
+                                      for b in fake["settings"]["x"]["boundaries"])
