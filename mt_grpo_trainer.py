@@ -291,10 +291,14 @@ class Sample:
     n_messages: int = 0                                       # messages of the episode this sample covers
     last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
     versions: list[int] = field(default_factory=list)         # policy version that sampled the token, -1 if not sampled
+    text: str = ""                                            # the held text: input_ids decoded, kept as they grow
+    prompt_chars: int = 0                                     # characters of `text` in the sampler's last prompt
+    think_tokens: int = 0                                     # <think> tokens in that prompt
 
-    def truncate(self, n: int):
+    def truncate(self, n: int, text: str):
         for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions"):
             del getattr(self, key)[n:]
+        self.text = text
 
     def append(self, ids, mask: int, logprobs=None, turn: int = -1, version: int = -1):
         self.input_ids += ids
@@ -603,7 +607,15 @@ def is_env_reply(m: dict) -> bool:
     return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
 
 
+def is_query(m: dict) -> bool:
+    """A user query: a user message that is not a tool result."""
+    return m["role"] == "user" and not is_env_reply(m)
+
+
 # === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
+
+BRIDGE_CHECKS = 3   # an env's first bridged prompts, each compared with the full rendering (see MultiTurnToolEnv.bridge)
+
 
 class TokenizationMismatch(RuntimeError):
     pass
@@ -622,6 +634,8 @@ class MultiTurnToolEnv:
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
         self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
         self.system_prompt = system_prompt_for(cfg, list(self.tools.values()))
+        self.bridge_checks = 0   # bridged prompts found equal to the full rendering so far; -1: the bridge is off
+        self.stubs = {}          # the bridge's stub -> its rendering without and with the generation prompt
 
     @functools.cached_property
     def pool(self) -> DaemonPool:   # made on the first tool call: an env that runs no tool starts no threads
@@ -638,7 +652,7 @@ class MultiTurnToolEnv:
         if mode == "all":
             return set(raw)
         if mode == "tool_cycle":
-            last_query = max((i for i, m in enumerate(messages) if m["role"] == "user" and not is_env_reply(m)), default=-1)
+            last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=-1)
             if any(is_env_reply(m) for m in messages[last_query + 1:]):
                 return {i for i in raw if i > last_query}
         return set()
@@ -692,37 +706,75 @@ class MultiTurnToolEnv:
         rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks.
         REALIGN: had R1 only dropped A0's trailing "\n" (Llama 3.1 trims content), A0's tokens up to it stay
         trained and R1's rest is appended as context: [P0][A0 but "\n"][S1'], one sample (see `realign_point`)."""
-        text = self.render(ep.messages, ep.raw)
+        s = ep.samples[-1] if ep.samples else None
+        text = (self.bridge(ep, s) if s else None) or self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
-        ep.thinking_tokens_kept += sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
-        if ep.samples:
-            s = ep.samples[-1]
-            held = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            boundary = "user" if any(m["role"] == "user" and not is_env_reply(m) for m in ep.messages[max(ep.raw, default=-1) + 1:]) else "tool"
-            extends = text.startswith(held)
+        if s:
+            boundary = "user" if any(map(is_query, ep.messages[max(ep.raw, default=-1) + 1:])) else "tool"
+            extends = text.startswith(s.text)
             keep = None if extends else self.realign_point(s, text)
-            gone = sum(s.loss_mask[keep:]) if keep is not None else 0   # the last turn's sampled tokens REALIGN untrains
+            gone = sum(s.loss_mask[keep[0]:]) if keep else 0   # the last turn's sampled tokens REALIGN untrains
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
-            if keep is not None:
+            if keep:
                 ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
-                s.truncate(keep)
-                held, extends = self.tok.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False), True
-            if extends:
-                s.append(self.tok.encode(text[len(held):], add_special_tokens=False), mask=0)
-                return list(s.input_ids)
+                s.truncate(*keep)
+            if extends or keep:   # counted from what is new since the last prompt: no pass over the whole text
+                s.think_tokens += self.think_tokens(text[s.prompt_chars:])
+                return self.prompt(ep, s, self.tok.encode(text[len(s.text):], add_special_tokens=False))
             ep.forks += 1
-        s = Sample()
-        s.append(self.tok.encode(text, add_special_tokens=False), mask=0)
-        ep.samples.append(s)
+        ep.samples.append(Sample(think_tokens=self.think_tokens(text)))
+        return self.prompt(ep, ep.samples[-1], self.tok.encode(text, add_special_tokens=False))
+
+    def prompt(self, ep: Episode, s: Sample, ids: list[int]) -> list[int]:
+        """Append the environment's tokens (mask 0) to `s`: what the sampler is given."""
+        self.append(s, ids, mask=0)
+        s.prompt_chars, ep.thinking_tokens_kept = len(s.text), ep.thinking_tokens_kept + s.think_tokens
         return list(s.input_ids)
 
-    def realign_point(self, s: Sample, text: str) -> int | None:
+    def append(self, s: Sample, ids: list[int], **kw):
+        """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
+        whole sample) where that gives the same text, checked on the tokens either side; else the whole is decoded."""
+        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        piece, edge = dec(ids), s.input_ids[-4:]
+        s.text = s.text + piece if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
+        s.append(ids, **kw)
+
+    def think_tokens(self, text: str) -> int:
+        return sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
+
+    def bridge(self, ep: Episode, s: Sample) -> str | None:
+        """The next prompt without rendering the whole conversation, at a tool boundary (the new messages are the
+        sampled turn and its tool results): the held text up to the last turn's generation prompt, then the
+        template's rendering of only the new messages after a stub of the first message and the last user query.
+        Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
+        thinking_retention other than template, and for good once it has differed from the full rendering on one
+        of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
+        last = max(ep.raw)   # the sampled assistant message
+        new = ep.messages[last:]
+        if (self.bridge_checks < 0 or self.cfg.thinking_retention != "template" or self.cfg.thinking_compaction_turns
+                or any(map(is_query, new))):
+            return None
+        query = max((i for i in range(last) if is_query(ep.messages[i])), default=0)
+        render = functools.partial(self.tok.apply_chat_template, tools=self.schemas, tokenize=False,
+                                   **self.cfg.chat_template_kwargs)
+        stub = [ep.messages[i] for i in sorted({0, query})]
+        key = json.dumps([stub, self.cfg.chat_template_kwargs], sort_keys=True)   # a tool cycle's stub: render it once
+        if key not in self.stubs:
+            self.stubs = {**(self.stubs if len(self.stubs) < 256 else {}), key: (render(stub), render(stub, add_generation_prompt=True))}
+        (base, gen), full = self.stubs[key], render(stub + new, add_generation_prompt=True)
+        start = s.prompt_chars - (len(gen) - len(base))   # where the sampled turn's message begins in the held text
+        text = s.text[:start] + full[len(base):] if gen.startswith(base) and full.startswith(base) else None
+        if self.bridge_checks < BRIDGE_CHECKS:
+            self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
+        return text if self.bridge_checks >= 0 else None
+
+    def realign_point(self, s: Sample, text: str) -> tuple[int, str] | None:
         """REALIGN (a tail wobble, not a rewrite): the fresh rendering keeps everything before the last turn's sampled
         tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
-        special tokens (a trimmed newline, a re-rendered end marker). Returns how many held tokens to keep, or None."""
+        special tokens (a trimmed newline, a re-rendered end marker). Returns the held tokens to keep and their text, or None."""
         lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
         dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        head, tail = dec(s.input_ids[:lp]), s.input_ids[lp:]
+        head, tail = s.text[:s.prompt_chars], s.input_ids[lp:]
         if not n or not text.startswith(head):
             return None
         for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):   # keep the most sampled tokens that still match
@@ -730,7 +782,7 @@ class MultiTurnToolEnv:
             if text.startswith(kept):
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 rest = gone[len(os.path.commonprefix([gone, text[len(kept):]])):]   # what the fresh text does not repeat
-                return lp + k if not rest.strip() else None
+                return (lp + k, kept) if not rest.strip() else None
         return None
 
     def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
@@ -778,7 +830,7 @@ class MultiTurnToolEnv:
         t = len(ep.turns)
         ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=len(ep.samples[-1].input_ids)))
         ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
-        ep.samples[-1].append(c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
+        self.append(ep.samples[-1], c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         msg, calls = self.fmt.parse(text)
@@ -805,13 +857,13 @@ class MultiTurnToolEnv:
         while active:
             prompts, budgets = [], []
             for ep in active:
-                n_samples, held = len(ep.samples), len(ep.samples[-1].input_ids) if ep.samples else 0
+                n_samples, held = len(ep.samples), (len(ep.samples[-1].input_ids), ep.samples[-1].text) if ep.samples else 0
                 prompts.append(self.next_prompt(ep))
                 budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
                 if budgets[-1] < 1:   # no room to sample: undo this prompt, so no sample exceeds max_seq_len
                     del ep.samples[n_samples:]
                     if ep.samples:
-                        ep.samples[-1].truncate(held)
+                        ep.samples[-1].truncate(*held)
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
@@ -833,10 +885,13 @@ class MultiTurnToolEnv:
         mode, found = self.cfg.tokenization_check, 0
         if mode == "off":
             return 0
+        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         for k, s in enumerate(ep.samples):
+            if s.text != dec(s.input_ids):   # the text the bridge and extension compared: a bug, never a template's
+                raise TokenizationMismatch(f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append")
             if not s.n_messages:
                 continue
-            held = self.tok.decode(s.input_ids[: s.last_prompt_len], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            held = dec(s.input_ids[: s.last_prompt_len])
             raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
             fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
             if fresh.startswith(held):

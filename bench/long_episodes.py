@@ -34,8 +34,8 @@ def passage() -> str:
     return text[:2400]
 
 
-def tool_episode(tok, turns: int):
-    """Per-turn next_prompt seconds of a `turns`-turn tool episode, and its final sample length."""
+def tool_episode(tok, turns: int, bridge: bool):
+    """Per-turn next_prompt seconds of a `turns`-turn tool episode, its tokens and samples, and the prompts."""
     result = passage()
 
     def search(query: str) -> str:
@@ -46,16 +46,18 @@ def tool_episode(tok, turns: int):
         """
         return result
     env = M.MultiTurnToolEnv(tok, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=10**6,
-                                                     tokenization_check="off"))
-    ep, times = env.new_episode({"prompt": "Find the answer."}), []
+                                                     tokenization_check="strict"))
+    env.bridge_checks = 0 if bridge else -1   # -1: the bridge is off, every prompt is a full render
+    ep, times, prompts = env.new_episode({"prompt": "Find the answer."}), [], []
     for t in range(turns):
         t0 = time.perf_counter()
-        env.next_prompt(ep)
+        prompts.append(env.next_prompt(ep))
         times.append(time.perf_counter() - t0)
         text = f"<think>\nStep {t}.\n</think>\n\n<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": f"q{t}"}}) + "\n</tool_call>"
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         env.run_tools([(ep, c) for c in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
-    return times, sum(len(s.input_ids) for s in ep.samples), len(ep.samples)
+    assert env.check_tokenization(ep) == 0, "the episode-end check agrees with every prompt"
+    return times, sum(len(s.input_ids) for s in ep.samples), len(ep.samples), prompts
 
 
 def realign_episode(tok, turns: int, realign: int):
@@ -75,13 +77,15 @@ def main():
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read()
-    print("## next_prompt per turn (Qwen3 template, native tools, ~500-token results; full render every turn)\n")
-    print("| turns | tokens | samples | first turn | last turn | mean of the last 8 | whole episode |")
-    print("|---|---|---|---|---|---|---|")
+    print("## next_prompt per turn (Qwen3 template, native tools, ~500-token results): full render vs the bridge\n")
+    print("| turns | tokens | samples | next_prompt | first turn | last turn | mean of the last 8 | whole episode |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in args.turns:
-        times, tokens, samples = tool_episode(tok, T)
-        print(f"| {T} | {tokens / 1000:.1f}k | {samples} | {times[0] * 1e3:.1f} ms | {times[-1] * 1e3:.1f} ms | "
-              f"{sum(times[-8:]) / len(times[-8:]) * 1e3:.1f} ms | {sum(times):.2f} s |")
+        runs = {name: tool_episode(tok, T, name == "bridge") for name in ("full render", "bridge")}
+        assert runs["bridge"][3] == runs["full render"][3], "the bridge gives the sampler exactly the same prompts"
+        for name, (times, tokens, samples, _) in runs.items():
+            print(f"| {T} | {tokens / 1000:.1f}k | {samples} | {name} | {times[0] * 1e3:.1f} ms | {times[-1] * 1e3:.1f} ms | "
+                  f"{sum(times[-8:]) / len(times[-8:]) * 1e3:.2f} ms | {sum(times):.3f} s |")
     llama = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     llama.chat_template = open(os.path.join(FIX, "llama3_1_chat_template.jinja")).read()
     print("\n## REALIGN on a template that trims (Llama 3.1's, answers that end with a blank line)\n")

@@ -277,3 +277,53 @@ def test_check_template_reports_realign_boundaries(qwen3, capsys):
                                "boundaries": [{"kind": "user", "extends": False, "realigned": 2, "turn": 1, "why": "w"}]}}}
     assert "user:REALIGN" in " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
                                       for b in fake["settings"]["x"]["boundaries"])
+
+
+def bridge_episode(tok, turns, bridge=True, result="Results: 42 is the answer. " * 20):
+    """A `turns`-turn native tool episode driven through next_prompt/step; returns the env, episode and prompts."""
+    def search(query: str) -> str:
+        """Search.
+
+        Args:
+            query: what to search for
+        """
+        return result
+    env = M.MultiTurnToolEnv(tok, [search], M.Config(system_prompt="You search.", tool_format="native", max_env_steps=10**6,
+                                                     tokenization_check="strict"))
+    env.bridge_checks = 0 if bridge else -1
+    ep, prompts = env.new_episode({"prompt": "Find it."}), []
+    for t in range(turns):
+        prompts.append(env.next_prompt(ep))
+        text = f"<think>\nstep {t}\n</think>\n\n<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": f"q{t}"}}) + "\n</tool_call>"
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        env.run_tools([(ep, c) for c in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
+    return env, ep, prompts
+
+
+def test_the_bridge_gives_the_sampler_exactly_the_full_renderings_prompts(qwen3):
+    """At tool boundaries the bridge renders only the new messages: every prompt of a 40-turn episode is the one a
+    full rendering gives, the bridge passed its checks and stayed on, and the episode-end check agrees."""
+    env, ep, bridged = bridge_episode(qwen3, 40)
+    _, ep_full, full = bridge_episode(qwen3, 40, bridge=False)
+    assert bridged == full and env.bridge_checks == M.BRIDGE_CHECKS and len(ep.samples) == 1
+    assert env.check_tokenization(ep) == 0 and ep.thinking_tokens_kept == ep_full.thinking_tokens_kept > 0
+    s = ep.samples[0]
+    assert s.text == qwen3.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_a_template_the_bridge_cannot_follow_turns_it_off_and_prompts_stay_exact(qwen3):
+    """A template that numbers tool results by their place in the whole conversation renders the new messages
+    differently after a stub: the bridge's first check finds it, it stays off, and every prompt is the full one."""
+    tok = with_template(qwen3, "qwen3")
+    tok.chat_template = tok.chat_template.replace("{{- '\\n<tool_response>\\n' }}", "{{- '\\n<tool_response #' ~ loop.index ~ '>\\n' }}")
+    assert "<tool_response #' ~ loop.index" in tok.chat_template
+    env, ep, bridged = bridge_episode(tok, 6)
+    _, _, full = bridge_episode(tok, 6, bridge=False)
+    assert env.bridge_checks == -1 and bridged == full and env.check_tokenization(ep) == 0
+
+
+def test_a_held_text_that_is_not_the_ids_is_caught_by_the_episode_end_check(qwen3):
+    env, ep, _ = bridge_episode(qwen3, 3)
+    ep.samples[0].text += " "
+    with pytest.raises(M.TokenizationMismatch, match="held text is not its ids decoded"):
+        env.check_tokenization(ep)
