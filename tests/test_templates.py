@@ -122,8 +122,8 @@ def test_tool_cycle_keeps_the_forced_empty_think_block_of_qwen3_without_thinking
 
 
 def native_env(qwen3, **kw):
-    return M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(system_prompt="", tool_format="native", max_env_steps=10,
-                                                               tokenization_check="strict", **kw))
+    return M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(**{"system_prompt": "", "tool_format": "native",
+                                                                  "max_env_steps": 10, "tokenization_check": "strict", **kw}))
 
 
 class Turns(ScriptedSampler):
@@ -279,25 +279,13 @@ def test_check_template_reports_realign_boundaries(qwen3, capsys):
                                       for b in fake["settings"]["x"]["boundaries"])
 
 
-def bridge_episode(tok, turns, bridge=True, result="Results: 42 is the answer. " * 20):
-    """A `turns`-turn native tool episode driven through next_prompt/step; returns the env, episode and prompts."""
-    def search(query: str) -> str:
-        """Search.
-
-        Args:
-            query: what to search for
-        """
-        return result
-    env = M.MultiTurnToolEnv(tok, [search], M.Config(system_prompt="You search.", tool_format="native", max_env_steps=10**6,
-                                                     tokenization_check="strict"))
+def bridge_episode(tok, turns, bridge=True):
+    """A `turns`-turn native tool episode (check-template's scripted driver); the env, the episode and the prompts."""
+    env = native_env(tok, system_prompt="You search.", max_env_steps=10**6)
     env.bridge_checks = 0 if bridge else -1
-    ep, prompts = env.new_episode({"prompt": "Find it."}), []
-    for t in range(turns):
-        prompts.append(env.next_prompt(ep))
-        text = f"<think>\nstep {t}\n</think>\n\n<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": f"q{t}"}}) + "\n</tool_call>"
-        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
-        env.run_tools([(ep, c) for c in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
-    return env, ep, prompts
+    call = '<think>\nstep {t}\n</think>\n\n<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "q{t}"}}}}\n</tool_call>'
+    ep, seen = CT.simulate_episode(env, [("assistant", call.format(t=t)) for t in range(turns)], tok.eos_token_id)
+    return env, ep, [prompt for prompt, _ in seen]
 
 
 def test_the_bridge_gives_the_sampler_exactly_the_full_renderings_prompts(qwen3):
