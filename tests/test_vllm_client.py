@@ -306,3 +306,16 @@ def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_di
     assert "Traceback" not in err
     done = M.find_checkpoint(M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"]))
     assert done and os.path.isfile(os.path.join(done, "trainer_state.pt"))
+
+
+def test_lora_against_a_server_without_lora_stops_at_the_first_sync_and_says_how_to_start_it(server, tiny_model_dir, tmp_path):
+    """A server started without --enable-lora has no /v1/load_lora_adapter (the stand-in answers 404, as vLLM does):
+    the first adapter sync stops the run with the server's answer and the flags it needs, nothing is retried."""
+    cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [
+        f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={server.url}", "lora_rank=4",
+        f"weight_sync_dir={tmp_path}/shm", f"output_dir={tmp_path}/run", "max_steps=1", "request_deadline=6"])
+    with pytest.raises(M.SamplerError, match="needs a server started with --enable-lora") as e:
+        M.train(cfg)
+    assert "HTTP 404" in str(e.value) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(e.value)
+    assert [r["path"] for r in server.requests].count("/v1/load_lora_adapter") == 1
+    assert not completions(server), "nothing was sampled from weights the server does not have"
