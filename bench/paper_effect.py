@@ -1,6 +1,6 @@
 """The paper's effect on the CPU: MT-GRPO vs GRPO-OR vs GRPO-MR on the paper-effect task (tasks/toy_flags.py).
 
-    .venv/bin/python bench/paper_effect.py [--seeds 0 1 2 3 4] [--max-steps 40] [--target 0.5]
+    .venv/bin/python bench/paper_effect.py [--seeds 0 1 2 3 4] [--max-steps 20] [--target 0.5]
 
 Every (mode, seed) trains hf_recipes/toy/toy-flags--mt-grpo.yaml from the same warm-started model and is
 evaluated greedily on the 16 held-out countries (48 prompts) at its last step; the warm-started model itself
@@ -28,7 +28,7 @@ EXACT = "exact_answer_reward"
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="training seeds, one run per mode each")
-    ap.add_argument("--max-steps", type=int, default=40, help="training steps per run (64 episodes each)")
+    ap.add_argument("--max-steps", type=int, default=20, help="training steps per run (32 episodes each)")
     ap.add_argument("--target", type=float, default=0.5, help="exact-match threshold for 'steps to'")
     return ap.parse_args(argv)
 

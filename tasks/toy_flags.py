@@ -17,11 +17,17 @@ Design (written before any measurement):
   holds out the other 16, 4 per colour (3 question forms each), so neither an answer remembered from
   training nor the warm-start helps on eval: only a right call beats a guess there.
 - `build_model` builds the tokenizer and 2-layer model with tasks/toy_kv.py's builder, and a
-  reported warm-start: 200 steps on demonstrations that always call right (so the model can copy
-  the country into a well-formed query and the record into its answer), then 100 steps on a mix
+  reported warm-start on all 64 countries: 200 steps on demonstrations that always call right (so the
+  model can copy the country into a well-formed query and the record into its answer), then 100 steps on a mix
   where half the demonstrations call the tool, only a fifth of those in the right form (the rest
   pass the bare name, get an error and answer "unknown"), and the other half guess a random colour.
   When to call, and how, is left to RL.
+
+Revised once before the measurement, after the first build's check: with the name unquoted in the
+question and the warm-start on the 48 training countries only, a forced "flag:" prefix was followed by
+the right name for 9 of 48 training prompts and 0 of 48 held-out ones (" kalo" in a question and "kalo"
+in a query are different tokens, and a held-out name's token was never trained). So the question
+quotes the name, and the warm-start covers every country.
 
 Prediction (before measuring): the warm-started policy calls about half the time, a call is right
 about 1 time in 5, so a call earns an exact match about 0.2 of the time and a guess 0.25. Under
@@ -45,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tasks.toy_kv import build_tokenizer, warm_start  # noqa: E402
 from tools.flag_registry import COLOURS, FLAGS, NAMES, PREFIX, flag_registry  # noqa: E402
 
-QUESTIONS = ["What colour is the flag of {n}?", "Name the colour of the flag of {n}.", "Which colour is {n}'s flag?"]
+# The name is quoted, as the toy's key is: after a quote it is the same token as in the query after "flag:".
+QUESTIONS = ['What colour is the flag of "{n}"?', 'Name the colour of the flag of "{n}".', 'Which colour is the flag of "{n}"?']
 EVAL_NAMES = sorted(c for col in COLOURS for c in random.Random(15).sample([n for n in NAMES if FLAGS[n] == col], 4))
 TRAIN_NAMES = [n for n in NAMES if n not in EVAL_NAMES]
 WARMSTART = dict(demonstrations=2048, steps=300, lookup_only_steps=200, batch_size=32, lr=3e-3, seed=0,
@@ -100,7 +107,10 @@ def build_model(path: str, system_prompt: str = ""):
     """Create tokenizer + tiny model under `path` (tasks/toy_kv.py's architecture), warm-started; returns a report."""
     t0 = time.time()
     rng = random.Random(WARMSTART["seed"])
-    rows = make_dataset(WARMSTART["demonstrations"], seed=WARMSTART["seed"] + 1)
+    # Every country, held-out ones too, so the model can copy any name into a query; no demonstration
+    # states a colour except as a tool result, so none teaches a held-out answer.
+    rng_rows = random.Random(WARMSTART["seed"] + 1)
+    rows = [row(rng_rows.choice(NAMES), rng_rows.choice(QUESTIONS)) for _ in range(WARMSTART["demonstrations"])]
     mix = [demonstration(r, system_prompt, rng) for r in rows]
     right = [demonstration(r, system_prompt, rng, p_tool=1.0, p_right_form=1.0) for r in rows]
     # Every country name and query form enters the tokenizer's corpus (no colours with them), so a held-out
