@@ -3,7 +3,7 @@
     .venv/bin/python bench/paper_effect.py [--seeds 0 1 2 3 4] [--max-steps 20] [--target 0.5]
 
 Every (mode, seed) trains hf_recipes/toy/toy-flags--mt-grpo.yaml from the same warm-started model and is
-evaluated greedily on the 16 held-out countries (48 prompts) at its last step; the warm-started model itself
+evaluated greedily on the 8 held-out countries (24 prompts) at its last step; the warm-started model itself
 is evaluated once. The first table has the paper's columns (tool execution, answer in search results,
 format, exact match: the recipe's reward functions), as means over seeds; then the first-turn tool-call
 rate during training (rollout/tool_rate_turn0, first vs last 10 steps) and the first step at which the
@@ -45,7 +45,7 @@ def final_eval(metrics):
 
 def tables(runs, seeds, target, warm=None, window=10):
     """Markdown tables from {(mode, seed): metrics rows} (and the warm-started model's eval figures)."""
-    out = [f"Greedy eval on 48 held-out prompts after {len(next(iter(runs.values())))} steps, mean over seeds "
+    out = [f"Greedy eval on 24 held-out prompts after {len(next(iter(runs.values())))} steps, mean over seeds "
            f"{', '.join(map(str, seeds))}; tool-call rate = rollout/tool_rate_turn0 (first vs last {window} steps); "
            f"steps to = first step whose trailing-{window}-step training exact match is >= {target}:", "",
            "| Method | " + " | ".join(COLUMNS.values()) + " | tool-call rate, training | steps to (per seed) |",

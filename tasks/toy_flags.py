@@ -4,7 +4,7 @@ Built from the mechanism behind the MT-GRPO paper's TriviaQA table (Zeng et al. 
 outcome-only GRPO stops calling its search tool and the turn-level split keeps it.
 
 Design (written before any measurement):
-- A question asks the flag colour of one of 64 made-up countries (tools/flag_registry.py). The
+- A question asks the flag colour of one of 32 made-up countries (tools/flag_registry.py). The
   answer set is small (red, blue, green, gold), so answering at once, without the tool, earns the
   outcome reward one time in four, as a model sometimes knows a TriviaQA answer.
 - The tool is easy to get wrong: the query must read `flag:NAME`. A query in another form or naming
@@ -13,21 +13,23 @@ Design (written before any measurement):
 - Turn rewards score the tool turn itself, as the paper's do: the call executed without error, and
   its result holds the answer. Outcome rewards: exact match and format. Those four are the paper's
   table columns, and the greedy eval reports each.
-- Each colour is the answer for 16 countries. Train prompts name 48 of them; `make_eval_dataset`
-  holds out the other 16, 4 per colour (3 question forms each), so neither an answer remembered from
+- Each colour is the answer for 8 countries. Train prompts name 24 of them; `make_eval_dataset`
+  holds out the other 8, 2 per colour (3 question forms each), so neither an answer remembered from
   training nor the warm-start helps on eval: only a right call beats a guess there.
 - `build_model` builds the tokenizer and 2-layer model with tasks/toy_kv.py's builder, and a
-  reported warm-start on all 64 countries: 200 steps on demonstrations that always call right (so the
+  reported warm-start on all 32 countries: 400 steps on demonstrations that always call right (so the
   model can copy the country into a well-formed query and the record into its answer), then 100 steps on a mix
   where half the demonstrations call the tool, only a fifth of those in the right form (the rest
   pass the bare name, get an error and answer "unknown"), and the other half guess a random colour.
   When to call, and how, is left to RL.
 
-Revised once before the measurement, after the first build's check: with the name unquoted in the
-question and the warm-start on the 48 training countries only, a forced "flag:" prefix was followed by
-the right name for 9 of 48 training prompts and 0 of 48 held-out ones (" kalo" in a question and "kalo"
-in a query are different tokens, and a held-out name's token was never trained). So the question
-quotes the name, and the warm-start covers every country.
+Revised twice before the measurement, after checks of the build alone: with 64 countries, the name
+unquoted in the question and the warm-start on the 48 training countries only, a forced "flag:" prefix
+was followed by the right name for 9 of 48 training prompts and 0 of 48 held-out ones (" kalo" in a
+question and "kalo" in a query are different tokens, and a held-out name's token was never trained).
+Quoting the name and warm-starting on all 64 countries gave 2/48 and 0/48: 200 steps did not build the
+copy for 64 names (the toy's 16 keys get 400 demonstrations each in those steps). So: 32 countries,
+quoted, all in the warm-start, and 400 always-right steps (each name again about 400 demonstrations).
 
 Prediction (before measuring): the warm-started policy calls about half the time, a call is right
 about 1 time in 5, so a call earns an exact match about 0.2 of the time and a guess 0.25. Under
@@ -53,9 +55,9 @@ from tools.flag_registry import COLOURS, FLAGS, NAMES, PREFIX, flag_registry  # 
 
 # The name is quoted, as the toy's key is: after a quote it is the same token as in the query after "flag:".
 QUESTIONS = ['What colour is the flag of "{n}"?', 'Name the colour of the flag of "{n}".', 'Which colour is the flag of "{n}"?']
-EVAL_NAMES = sorted(c for col in COLOURS for c in random.Random(15).sample([n for n in NAMES if FLAGS[n] == col], 4))
+EVAL_NAMES = sorted(c for col in COLOURS for c in random.Random(15).sample([n for n in NAMES if FLAGS[n] == col], 2))
 TRAIN_NAMES = [n for n in NAMES if n not in EVAL_NAMES]
-WARMSTART = dict(demonstrations=2048, steps=300, lookup_only_steps=200, batch_size=32, lr=3e-3, seed=0,
+WARMSTART = dict(demonstrations=2048, steps=500, lookup_only_steps=400, batch_size=32, lr=3e-3, seed=0,
                  p_tool=0.5, p_right_form=0.2)
 
 
@@ -64,13 +66,13 @@ def row(country: str, question: str) -> dict:
 
 
 def make_dataset(n: int = 512, seed: int = 0):
-    """Rows `{prompt, name, answer}` about the 48 training countries."""
+    """Rows `{prompt, name, answer}` about the 24 training countries."""
     rng = random.Random(seed)
     return [row(c, rng.choice(QUESTIONS)) for c in (rng.choice(TRAIN_NAMES) for _ in range(n))]
 
 
 def make_eval_dataset():
-    """The 16 held-out countries, in every question form (48 prompts), for greedy evaluation."""
+    """The 8 held-out countries, in every question form (24 prompts), for greedy evaluation."""
     return [row(c, q) for c in EVAL_NAMES for q in QUESTIONS]
 
 

@@ -7,9 +7,9 @@ returns that country's record, which does not hold the answer.
 import random
 
 SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ri", "so", "tu"]
-NAMES = [a + b for a in SYLLABLES for b in SYLLABLES]   # 64 countries: "kaka", "kalo", ...
+NAMES = [a + b for a in SYLLABLES for b in SYLLABLES[:4]]   # 32 countries: "kaka", "kalo", ...
 COLOURS = ["red", "blue", "green", "gold"]               # the small answer set: a guess is right 1 time in 4
-# Each colour flies over 16 countries, so no colour is a better guess than another.
+# Each colour flies over 8 countries, so no colour is a better guess than another.
 FLAGS = {n: COLOURS[i % len(COLOURS)] for i, n in enumerate(random.Random(4321).sample(NAMES, len(NAMES)))}
 PREFIX = "flag:"
 
