@@ -128,3 +128,7 @@ def test_bench_arguments_and_tables():
     assert rows["warm-start (step 0)"].startswith("| warm-start (step 0) | 0.000 | 0.000 | 1.000 | 0.250 |")
     assert "| GRPO-OR | 0.250 | 0.500 |" in out             # exact match per seed
     assert out.endswith("on 1 of 2 seeds.")
+    # a step in which no episode called the tool has no rollout/tool_rate_turn0 key: it counts as 0
+    for row in runs[("grpo_outcome", 3)] + runs[("grpo_outcome", 4)]:
+        del row["rollout/tool_rate_turn0"]
+    assert "| 0.00 -> 0.00 |" in paper_effect.tables(runs, [3, 4], 0.6, window=2).split("| GRPO-OR |")[1].split("\n")[0]
