@@ -23,7 +23,8 @@ Design (written before any measurement):
   pass the bare name, get an error and answer "unknown"), and the other half guess a random colour.
   When to call, and how, is left to RL.
 
-Revised twice before the measurement, after checks of the build alone: with 64 countries, the name
+Revised twice before the measurement (an aborted first bench had run 10 MT-GRPO steps on seed 0: its
+calls executed but named the wrong country), after checks of the build alone: with 64 countries, the name
 unquoted in the question and the warm-start on the 48 training countries only, a forced "flag:" prefix
 was followed by the right name for 9 of 48 training prompts and 0 of 48 held-out ones (" kalo" in a
 question and "kalo" in a query are different tokens, and a held-out name's token was never trained).
