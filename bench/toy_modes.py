@@ -18,12 +18,33 @@ RECIPE = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 MODES = {"mt_grpo": "MT-GRPO", "grpo_outcome": "GRPO-OR", "grpo_merged": "GRPO-MR"}
 
 
-def steps_to(metrics, target, window=10):
-    r = [m["reward/outcome"] for m in metrics]
+def steps_to(metrics, target, window=10, key="reward/outcome"):
+    """The first step at which `key`, averaged over the trailing `window` steps, reaches `target` (None: never)."""
+    r = [m[key] for m in metrics]
     for i in range(window, len(r) + 1):
         if sum(r[i - window:i]) / window >= target:
             return i
     return None
+
+
+def train_modes(recipe, seeds, max_steps, runs_dir, overrides=()):
+    """Train `recipe` once per (advantage mode, seed) into runs_dir/MODE-seedS, reusing a finished run;
+    returns {(mode, seed): the run's metrics.jsonl rows}."""
+    runs = {}
+    for mode in MODES:
+        for seed in seeds:
+            out = os.path.join(runs_dir, f"{mode}-seed{seed}")
+            path = os.path.join(out, "metrics.jsonl")
+            done = os.path.isfile(path) and sum(1 for _ in open(path)) == max_steps
+            if not done:
+                if os.path.isfile(path):
+                    os.remove(path)
+                print(f"[bench] {mode} seed {seed} ...", flush=True)
+                subprocess.run([sys.executable, "mt_grpo_trainer.py", recipe, f"advantage_mode={mode}", f"seed={seed}",
+                                f"max_steps={max_steps}", f"output_dir={out}", "log_episodes_steps=0", *overrides],
+                               cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            runs[(mode, seed)] = [json.loads(line) for line in open(path)]
+    return runs
 
 
 def main():
@@ -33,21 +54,9 @@ def main():
     ap.add_argument("--target", type=float, default=0.8)
     args = ap.parse_args()
     results = {}
-    for mode in MODES:
-        for seed in args.seeds:
-            out = os.path.join(ROOT, "bench", "runs", f"{mode}-seed{seed}")
-            path = os.path.join(out, "metrics.jsonl")
-            done = os.path.isfile(path) and sum(1 for _ in open(path)) == args.max_steps
-            if not done:
-                if os.path.isfile(path):
-                    os.remove(path)
-                print(f"[bench] {mode} seed {seed} ...", flush=True)
-                subprocess.run([sys.executable, "mt_grpo_trainer.py", RECIPE, f"advantage_mode={mode}", f"seed={seed}",
-                                f"max_steps={args.max_steps}", f"output_dir={out}", "log_episodes_steps=0"],
-                               cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            metrics = [json.loads(line) for line in open(path)]
-            last = sum(m["reward/outcome"] for m in metrics[-10:]) / 10
-            results[(mode, seed)] = (steps_to(metrics, args.target), metrics[0]["reward/outcome"], last)
+    for (mode, seed), metrics in train_modes(RECIPE, args.seeds, args.max_steps, os.path.join(ROOT, "bench", "runs")).items():
+        last = sum(m["reward/outcome"] for m in metrics[-10:]) / 10
+        results[(mode, seed)] = (steps_to(metrics, args.target), metrics[0]["reward/outcome"], last)
     print(f"\nSteps until the trailing-10-step outcome reward reaches {args.target} "
           f"(budget {args.max_steps} steps, 64 episodes per step):\n")
     print("| Method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean | last-10 outcome (mean) |")

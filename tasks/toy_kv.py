@@ -93,29 +93,35 @@ def assistant_mask(tokenizer, messages):
 
 def build_model(path: str, system_prompt: str = ""):
     """Create tokenizer + tiny model under `path`, warm-started on demonstrations; returns a report."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     t0 = time.time()
     rng = random.Random(WARMSTART["seed"])
-    torch.manual_seed(WARMSTART["seed"])
     rows = make_dataset(WARMSTART["demonstrations"], seed=WARMSTART["seed"] + 1)
     demos = [demonstration(r, system_prompt, rng) for r in rows]
     lookups = [demonstration(r, system_prompt, rng, p_tool=1.0) for r in rows]
     corpus = [f"{m['role']}\n{m['content']}" for d in demos[:512] for m in d] + VALUES + KEYS + [json.dumps({"key": k}) for k in KEYS]
-    tok = build_tokenizer(corpus)
+    # Phase 1 (lookup_only_steps): demonstrations that always look up, so the model learns to copy
+    # the key into the call and the result into the answer. Phase 2: the p_tool mix, so the policy
+    # starts out skipping the tool most of the time.
+    return warm_start(path, build_tokenizer(corpus), lookups, demos, WARMSTART, rng, "tasks/toy_kv.py", t0)
+
+
+def warm_start(path, tok, phase1, phase2, ws, rng, builder, t0):
+    """The 2-layer Qwen3-architecture model (4 heads of 32: vLLM's CPU attention rejects 16), trained on the
+    phase-1 demonstrations for ws["lookup_only_steps"] steps, then on phase 2 up to ws["steps"]; saved with
+    `tok` and a build_report.json under `path`. Shared by the embedded tasks' builders; returns the report."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(ws["seed"])
     model = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None))
-    # Phase 1 (lookup_only_steps): demonstrations that always look up, so the model learns to copy
-    # the key into the call and the result into the answer. Phase 2: the p_tool mix, so the policy
-    # starts out skipping the tool most of the time.
-    phase1, phase2 = [assistant_mask(tok, d) for d in lookups], [assistant_mask(tok, d) for d in demos]
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMSTART["lr"], weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / WARMSTART["steps"])
+    phase1, phase2 = [assistant_mask(tok, d) for d in phase1], [assistant_mask(tok, d) for d in phase2]
+    opt = torch.optim.AdamW(model.parameters(), lr=ws["lr"], weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / ws["steps"])
     model.train()
-    for step in range(WARMSTART["steps"]):
-        batch = rng.sample(phase1 if step < WARMSTART["lookup_only_steps"] else phase2, WARMSTART["batch_size"])
+    for step in range(ws["steps"]):
+        batch = rng.sample(phase1 if step < ws["lookup_only_steps"] else phase2, ws["batch_size"])
         L = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([i + [tok.pad_token_id] * (L - len(i)) for i, _ in batch])
         labels = torch.tensor([[t if m else -100 for t, m in zip(i, mk)] + [-100] * (L - len(i)) for i, mk in batch])
@@ -125,8 +131,8 @@ def build_model(path: str, system_prompt: str = ""):
         loss.backward()
         opt.step()
         sched.step()
-    ws = {**WARMSTART, "final_loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)}
-    report = {"builder": "tasks/toy_kv.py", "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
+    ws = {**ws, "final_loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)}
+    report = {"builder": builder, "params": sum(p.numel() for p in model.parameters()), "vocab_size": len(tok),
               "warmstart": ws, "summary": f"supervised warm-start of {ws['steps']} steps on {ws['demonstrations']} generated "
                                           f"demonstrations (final loss {ws['final_loss']}, {ws['seconds']} s)"}
     model.save_pretrained(path)
