@@ -911,13 +911,21 @@ class MultiTurnToolEnv:
 
 # === 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates ===
 
+LOGPROB_CHUNK = 2**24   # logits elements per float32 chunk in token_logprobs (64 MB)
+
+
 def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(lp, (1, 0))
+    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0. With a large vocabulary a
+    [B, T, vocab] float32 log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at
+    a time and is recomputed in backward (checkpoint): only the model-dtype logits are kept."""
+    logits, t = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1), temperature if temperature > 0 else 1.0
+    def chunk(x, y):
+        return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
+    n = max(1, LOGPROB_CHUNK // logits.shape[-1])   # tokens per chunk
+    next_ids = ids.roll(-1, 1).flatten()             # a row's last token gets a dummy (its first), dropped below
+    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)
+          for x, y in zip(logits.split(n), next_ids.split(n))]
+    return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
