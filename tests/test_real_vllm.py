@@ -189,7 +189,9 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok, "max_staleness=1")
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=11))]
+    # 192 distinct prompts of up to 300 tokens: a generation long enough to still be running when the sync
+    # (weights written, then the pause) lands, even on a quiet machine where vLLM decodes this model fast
+    prompts = [p + [i % 50 + 20, i // 50 + 20] for i, p in enumerate(toy_prompts(env, 192, seed=11))]
     torch.manual_seed(2)
     old = type(model)(model.config)   # near-uniform: long generations, each token's logprob about -log(vocab)
     new = copy.deepcopy(old)
@@ -198,7 +200,7 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     serve(client, old, 1)
     try:
         calls, out = recording(client), {}
-        worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [256] * 64, 1.0)))
+        worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0)))
         wait_until_generating(real_vllm.url, worker)
         serve(client, new, 2)
         worker.join(timeout=300)
