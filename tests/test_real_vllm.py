@@ -126,14 +126,18 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     assert follows < AGREE < 10 * AGREE < stale, (follows, stale, n)
     # The trainer's own check after every sync: it passes when the weights arrive ...
     serve(client, model, 4)
-    reward = tmp_path / "alternating.py"   # 0, 1, 0, 1 within every group: step 1 surely changes the weights
+    reward = tmp_path / "alternating.py"   # 0, 1, 0, 1 within every group: step 1 changes the weights, as long as
     reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
-    common = [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={real_vllm.model_dir}", "model_builder=",
+    torch.manual_seed(1)   # the group's episodes differ (identical ones cancel): fresh random weights sample apart
+    type(model)(model.config).save_pretrained(tmp_path / "random")
+    tok.save_pretrained(tmp_path / "random")
+    common = [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}", "model_builder=",
               f"vllm_server_url={real_vllm.url}",
               f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "learning_rate=0.2",
               "log_episodes_steps=0", "max_steps=1"]
     [m] = M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/synced"))
     assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff and m["rollout/sampler_logprob_diff"] < AGREE
+    assert m["loss/grad_norm"] > 0.01, "step 1 moved the weights"
     # ... and it stops the run when they do not (the sync after step 1 is skipped, then the check runs).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
