@@ -108,12 +108,13 @@ def build_model(path: str, system_prompt: str = ""):
 def warm_start(path, tok, phase1, phase2, ws, rng, builder, t0):
     """The 2-layer Qwen3-architecture model (4 heads of 32: vLLM's CPU attention rejects 16), trained on the
     phase-1 demonstrations for ws["lookup_only_steps"] steps, then on phase 2 up to ws["steps"]; saved with
-    `tok` and a build_report.json under `path`. Shared by the embedded tasks' builders; returns the report."""
+    `tok` and a build_report.json under `path`. Shared by the embedded tasks' builders; returns the report.
+    ws["max_positions"] (default 1024) sets the model's context length."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(ws["seed"])
     model = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=ws.get("max_positions", 1024),
         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         bos_token_id=None))
     phase1, phase2 = [assistant_mask(tok, d) for d in phase1], [assistant_mask(tok, d) for d in phase2]
