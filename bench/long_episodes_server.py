@@ -29,14 +29,10 @@ from tasks import toy_kv  # noqa: E402
 
 
 def looping_demonstration(row, calls: int):
-    """The question, `calls` lookups of its key (each followed by the result), then the answer."""
-    call = json.dumps({"name": "lookup", "args": {"key": row["key"]}})
-    msgs = [{"role": "user", "content": row["prompt"]}]
-    for _ in range(calls):
-        msgs += [{"role": "assistant", "content": f"<reasoning>Let me think.</reasoning>\n<tool>{call}</tool>"},
-                 {"role": "user", "content": f"<result>\n{row['answer']}\n</result>"}]
-    return msgs + [{"role": "assistant", "content": f"<reasoning>The result holds the value.</reasoning>\n"
-                                                    f"<answer>{row['answer']}</answer>"}]
+    """The toy's always-lookup demonstration with its call and result repeated: the question, `calls` lookups of
+    its key (each followed by the result), then the answer."""
+    question, call, result, answer = toy_kv.demonstration(row, "", random.Random(0), p_tool=1.0)
+    return [question, *[call, result] * calls, answer]
 
 
 def build_looping_model(path: str, calls: int, max_positions: int, steps: int):
@@ -92,13 +88,13 @@ def main():
           "| tokenization mismatches |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     eps = [json.loads(x) for x in open(os.path.join(out, "episodes.jsonl"))]
-    for e in eps:
-        tokens = sum(len(s["input_ids"]) for s in e["samples"])
+    tokens = [sum(len(s["input_ids"]) for s in e["samples"]) for e in eps]
+    for e, n in zip(eps, tokens):
         trained = sum(sum(s["loss_mask"]) for s in e["samples"])
         turns = sum(m["role"] == "assistant" for m in e["messages"])
         print(f"| {e['step']} | {e['episode']} | {e['end_reason']} | {turns} | {e['tool_calls']} | {len(e['samples'])} | "
-              f"{tokens} | {trained} | {e['forks']} | {e['realigns']} | {e['tokenization_mismatches']} |")
-    print(f"\nmean tokens per episode {np.mean([sum(len(s['input_ids']) for s in e['samples']) for e in eps]):.0f}; "
+              f"{n} | {trained} | {e['forks']} | {e['realigns']} | {e['tokenization_mismatches']} |")
+    print(f"\nmean tokens per episode {np.mean(tokens):.0f}; "
           f"episodes of one sample: {sum(len(e['samples']) == 1 for e in eps)}/{len(eps)}")
 
 
