@@ -1198,10 +1198,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
-    if argv[0] == "check-template":   # the template simulator lives beside this file, off the training path
-        sys.exit(load_object("check_template.py:main", "check-template")(argv[1:]))
-    if argv[0] == "merge-lora":
-        return merge_lora(*argv[1:]) if len(argv) == 3 else sys.exit("usage: python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR")
+    if argv[0] in ("check-template", "merge-lora"):   # tools around training live beside this file, off its path
+        sys.exit(load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])(argv[1:]))
     eval_only = argv[0] == "eval"
     if argv[0] in ("train", "eval"):
         argv = argv[1:]
@@ -1998,19 +1996,6 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
-
-
-def merge_lora(checkpoint: str, out: str):
-    """A LoRA checkpoint's adapter merged into its base model (the folder the adapter names): a plain HF model
-    folder, for `eval`, vLLM or release."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
-    if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
-        sys.exit(f"mt-grpo: error: {checkpoint} holds no LoRA adapter (adapter_config.json); a checkpoint of full "
-                 "fine-tuning is a model folder already")
-    AutoPeftModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).merge_and_unload().save_pretrained(out)
-    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
-    print(f"[mt-grpo] {checkpoint} merged into {out}")
 
 
 def find_checkpoint(cfg: Config) -> str | None:
