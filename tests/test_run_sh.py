@@ -83,6 +83,17 @@ def test_a_bad_recipe_fails_before_anything_is_launched(tmp_path):
     assert not (tmp_path / "launched").exists()
 
 
+def test_an_nvidia_smi_that_fails_is_said_not_taken_silently_for_no_gpu(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with "
+                                        "the NVIDIA driver.\"\nexit 9\n")
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "eval", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "eval_dataset=",
+               f"output_dir={tmp_path}/run", timeout=120)
+    assert "[run.sh] warning: nvidia-smi -L failed" in r.stderr and "communicate with the NVIDIA driver" in r.stderr
+    assert "[run.sh] layout: local, one process (nvidia-smi sees no GPU)" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode != 0 and "eval needs eval_dataset" in r.stderr and not (tmp_path / "launched").exists()
+
+
 def test_a_server_that_never_gets_healthy_times_out_readably(tmp_path, tiny_model_dir):
     bin_dir = fake_bin(tmp_path, "#!/bin/sh\necho 'loading weights...'\nexec sleep 600\n")
     r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
