@@ -14,7 +14,7 @@ import mt_grpo_trainer as M  # noqa: E402
 from tasks import toy_kv  # noqa: E402
 
 
-ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}   # minutes each; the other files (1) go between
+ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}   # file -> sort key; every other file (1) goes between
 
 
 def pytest_collection_modifyitems(items):

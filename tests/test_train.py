@@ -70,6 +70,31 @@ def run_cfg(tmp_path, model_dir, name, *extra):
                       "num_generations=4", "max_tokens=12", "log_episodes_steps=0", *extra)
 
 
+def test_a_missing_model_is_built_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """model_builder runs into a temp folder that is renamed when it returns: a builder that fails leaves no model
+    folder (the next run builds again), one that succeeds leaves the folder and its report, printed. (The toy model
+    the other tests share is cached across runs, so this path is tested here on its own.)"""
+    (tmp_path / "builder.py").write_text(
+        "import json, os\n"
+        "def build(path, system_prompt):\n"
+        "    if os.environ.get('BUILD_FAILS'):\n"
+        "        open(os.path.join(path, 'half'), 'w').close()\n"
+        "        raise RuntimeError('out of disk')\n"
+        "    json.dump({'builder': 'builder.py', 'params': 7, 'summary': 'prompt ' + repr(system_prompt[:5])},\n"
+        "              open(os.path.join(path, 'build_report.json'), 'w'))\n")
+    model = tmp_path / "model"
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={model}", f"model_builder={tmp_path}/builder.py:build",
+                     "system_prompt=Tools: {tools}")
+    monkeypatch.setenv("BUILD_FAILS", "1")
+    with pytest.raises(RuntimeError, match="out of disk"):
+        M.build_model_if_missing(cfg, print)
+    assert not model.exists()
+    monkeypatch.delenv("BUILD_FAILS")
+    M.build_model_if_missing(cfg, print)
+    assert sorted(os.listdir(model)) == ["build_report.json"] and not (tmp_path / "model.tmp").exists()
+    assert "model built by builder.py: 7 params; prompt 'Tools'" in capsys.readouterr().out
+
+
 def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
     full = M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", "save_steps=2"))
     resumed = M.train(run_cfg(tmp_path, tiny_model_dir, "resumed", "max_steps=3",
