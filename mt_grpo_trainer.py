@@ -12,8 +12,7 @@ One training step, as `train()` runs it: rollout -> reward -> advantage -> updat
 The invariants (each has tests; comments below cite them as I1-I6):
   I1 token faithfulness. Every token with loss_mask 1 is a token the sampler sampled, at the position where it
      was sampled, after exactly the context the sampler saw. Sampled text is never decoded and re-encoded for training.
-  I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages
-     have the same length.
+  I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages have the same length.
   I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0.
   I4 extension. A sample grows only while each new prompt starts with everything the sample holds (or, a
      counted REALIGN, all but a last turn's tail of whitespace or end markers, which becomes context). When it
@@ -46,8 +45,8 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import difflib
+import functools
 import fcntl
 import hashlib
 import importlib.util
@@ -76,12 +75,6 @@ import yaml
 
 # === 1. Config ===========================================================================
 
-XML_SYSTEM_PROMPT = (
-    "Think inside <reasoning>...</reasoning>. Then either call a tool as "
-    '<tool>{"name": NAME, "args": {...}}</tool> or give the final answer as <answer>...</answer>.\n'
-    "Tools:\n{tools}")
-
-
 @dataclass
 class Config:
     # --- model and data
@@ -91,7 +84,8 @@ class Config:
     """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
     dataset: str = "tasks/toy_kv.py:make_dataset"
     """Prompts: a .jsonl file, or `file.py:function` returning a list of dicts; each row needs `prompt`."""
-    system_prompt: str = XML_SYSTEM_PROMPT
+    system_prompt: str = ('Think inside <reasoning>...</reasoning>. Then either call a tool as <tool>{"name": NAME, '
+                          '"args": {...}}</tool> or give the final answer as <answer>...</answer>.\nTools:\n{tools}')
     """System prompt; `{tools}` is replaced by one line per tool (name, signature, docstring)."""
     tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
     """Tool functions as `file.py:function`; the model calls each by its function name."""
@@ -340,6 +334,23 @@ class Episode:
     def completion(self) -> list[dict]:
         return self.messages[self.n_prompt_messages:]
 
+    def mark(self) -> tuple:
+        """What `undo` needs to take the next prompt back: the counts it may raise, and the held sample's fields (its
+        lists from its last turn on, where a REALIGN may cut them)."""
+        s = self.samples[-1] if self.samples else None
+        held = {k: v[s.last_prompt_len:] if isinstance(v, list) else v for k, v in vars(s).items()} if s else {}
+        return (len(self.samples), len(self.boundaries), self.forks, self.realigns, self.realigned_tokens,
+                self.thinking_tokens_kept, held)
+
+    def undo(self, mark: tuple):
+        n, b, self.forks, self.realigns, self.realigned_tokens, self.thinking_tokens_kept, held = mark
+        del self.samples[n:], self.boundaries[b:]
+        for k, v in held.items():
+            if isinstance(v, list):
+                getattr(self.samples[-1], k)[held["last_prompt_len"]:] = v
+            else:
+                setattr(self.samples[-1], k, v)
+
 
 def new_episode(row: dict, system_prompt: str) -> Episode:
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -487,11 +498,10 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
 
         J = E_{t ~ mu} [ min(pi_old / mu, cap) * min(r_t A_t, clip(r_t) A_t) ],   r_t = pi_theta / pi_old
 
-    `old` is the trainer's own logprob before this batch's first update; `w_t` corrects for the sampler being
-    another policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the
-    nucleus it drew from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k
-    weight versions (its tokens were sampled before the last k updates). The denominators are the whole batch's,
-    so summing micro-batch losses gives the whole batch's gradient (gradient accumulation)."""
+    `old` is the trainer's own logprob before this batch's first update; `w_t` corrects for the sampler being another
+    policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the nucleus it drew
+    from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k weight versions. With the
+    whole batch's denominators, summed micro-batch losses give the whole batch's gradient (gradient accumulation)."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
@@ -513,9 +523,6 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
 
 # === 4. Tool formats: how a call is written, parsed, and answered ========================
 
-TOOL_RE = re.compile(r"<tool>(.*?)</tool>", re.S)                   # xml: <tool>{"name", "args"}</tool>
-NATIVE_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # native (Qwen/Hermes): {"name", "arguments"}
-ANSWER_RE = re.compile(r"<answer>.*?</answer>", re.S)
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.S)
 
 
@@ -537,14 +544,14 @@ class XMLTools:
 
     def parse(self, text: str) -> tuple[dict, list]:
         """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
-        hit = TOOL_RE.search(text)
+        hit = re.search(r"<tool>(.*?)</tool>", text, re.S)
         return {"role": "assistant", "content": text}, [parse_json(hit.group(1))] if hit else []
 
     def result(self, text: str) -> dict:
         return {"role": "user", "content": f"<result>\n{text}\n</result>"}
 
     def is_answer(self, text: str) -> bool:
-        return bool(ANSWER_RE.search(text))
+        return bool(re.search(r"<answer>.*?</answer>", text, re.S))
 
 
 class NativeTools:
@@ -556,12 +563,11 @@ class NativeTools:
         self.schemas = [tool_schema(f) for f in tools] if tools else None
 
     def parse(self, text: str) -> tuple[dict, list]:
-        calls = [parse_json(c) for c in NATIVE_CALL_RE.findall(text)]
+        calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
         if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
             return {"role": "assistant", "content": text}, calls   # no call, or a bad one kept as sampled (run_tools reports it)
-        before = text[: text.index("<tool_call>")]
         # templates put one "\n" between content and the first call: that one is theirs, not content
-        msg = {"role": "assistant", "content": before[:-1] if before.endswith("\n") else before,
+        msg = {"role": "assistant", "content": text[: text.index("<tool_call>")].removesuffix("\n"),
                "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
                               for c in calls]}
         return msg, calls
@@ -630,6 +636,8 @@ class MultiTurnToolEnv:
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.tok, self.cfg = tokenizer, cfg
+        self.enc = functools.partial(tokenizer.encode, add_special_tokens=False)
+        self.dec = functools.partial(tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.tools = {fn.__name__: fn for fn in tools}
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
         self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
@@ -718,29 +726,23 @@ class MultiTurnToolEnv:
             if keep:
                 ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
                 s.truncate(*keep)
-            if extends or keep:   # counted from what is new since the last prompt: no pass over the whole text
-                s.think_tokens += self.think_tokens(text[s.prompt_chars:])
-                return self.prompt(ep, s, self.tok.encode(text[len(s.text):], add_special_tokens=False))
-            ep.forks += 1
-        ep.samples.append(Sample(think_tokens=self.think_tokens(text)))
-        return self.prompt(ep, ep.samples[-1], self.tok.encode(text, add_special_tokens=False))
-
-    def prompt(self, ep: Episode, s: Sample, ids: list[int]) -> list[int]:
-        """Append the environment's tokens (mask 0) to `s`: what the sampler is given."""
-        self.append(s, ids, mask=0)
+            elif not extends:   # a fork: this sample closes
+                ep.forks += 1
+                s = None
+        if s is None:   # the episode's first prompt, or a fork
+            ep.samples.append(s := Sample())
+        # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
+        s.think_tokens += sum(len(self.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars:]))
+        self.append(s, self.enc(text[len(s.text):]), mask=0)
         s.prompt_chars, ep.thinking_tokens_kept = len(s.text), ep.thinking_tokens_kept + s.think_tokens
         return list(s.input_ids)
 
     def append(self, s: Sample, ids: list[int], **kw):
         """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
         whole sample) where that gives the same text, checked on the tokens either side; else the whole is decoded."""
-        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        piece, edge = dec(ids), s.input_ids[-4:]
-        s.text = s.text + piece if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
+        dec, edge = self.dec, s.input_ids[-4:]
+        s.text = s.text + dec(ids) if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
         s.append(ids, **kw)
-
-    def think_tokens(self, text: str) -> int:
-        return sum(len(self.tok.encode(t, add_special_tokens=False)) for t in THINK_RE.findall(text))
 
     def bridge(self, ep: Episode, s: Sample) -> str | None:
         """The next prompt without rendering the whole conversation, at a tool boundary (the new messages are the
@@ -773,12 +775,11 @@ class MultiTurnToolEnv:
         tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
         special tokens (a trimmed newline, a re-rendered end marker). Returns the held tokens to keep and their text, or None."""
         lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
-        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         head, tail = s.text[:s.prompt_chars], s.input_ids[lp:]
         if not n or not text.startswith(head):
             return None
         for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):   # keep the most sampled tokens that still match
-            kept = head + dec(tail[:k])
+            kept = head + self.dec(tail[:k])
             if text.startswith(kept):
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 rest = gone[len(os.path.commonprefix([gone, text[len(kept):]])):]   # what the fresh text does not repeat
@@ -827,16 +828,16 @@ class MultiTurnToolEnv:
 
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
-        t = len(ep.turns)
-        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=len(ep.samples[-1].input_ids)))
-        ep.samples[-1].last_prompt_len = len(ep.samples[-1].input_ids)
-        self.append(ep.samples[-1], c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
+        t, s = len(ep.turns), ep.samples[-1]
+        s.last_prompt_len = len(s.input_ids)
+        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=s.last_prompt_len))
+        self.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
-        text = self.tok.decode(keep, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = self.dec(keep)
         msg, calls = self.fmt.parse(text)
         ep.raw[len(ep.messages)] = ep.forced + text
         ep.messages.append(msg)
-        ep.samples[-1].n_messages = len(ep.messages)
+        s.n_messages = len(ep.messages)
         if c.finish_reason == "length":
             ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
         elif not text.strip():
@@ -857,13 +858,11 @@ class MultiTurnToolEnv:
         while active:
             prompts, budgets = [], []
             for ep in active:
-                n_samples, held = len(ep.samples), (len(ep.samples[-1].input_ids), ep.samples[-1].text) if ep.samples else 0
+                mark = ep.mark()
                 prompts.append(self.next_prompt(ep))
                 budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
-                if budgets[-1] < 1:   # no room to sample: undo this prompt, so no sample exceeds max_seq_len
-                    del ep.samples[n_samples:]
-                    if ep.samples:
-                        ep.samples[-1].truncate(*held)
+                if budgets[-1] < 1:   # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
+                    ep.undo(mark)     # exceeds max_seq_len and every sampled token stays trained
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
@@ -872,9 +871,8 @@ class MultiTurnToolEnv:
                 self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
             active = [ep for ep in active if not ep.done]
         for ep in eps:
-            for s in ep.samples:
-                n = len(s.input_ids)
-                assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions) == n, "I2: out of step"
+            assert all(len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions)
+                       == len(s.input_ids) for s in ep.samples), "I2: out of step"
             ep.tokenization_mismatches = self.check_tokenization(ep)
         return eps
 
@@ -885,13 +883,12 @@ class MultiTurnToolEnv:
         mode, found = self.cfg.tokenization_check, 0
         if mode == "off":
             return 0
-        dec = functools.partial(self.tok.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         for k, s in enumerate(ep.samples):
-            if s.text != dec(s.input_ids):   # the text the bridge and extension compared: a bug, never a template's
+            if s.text != self.dec(s.input_ids):   # what the bridge and extension compared: a bug, not a template's
                 raise TokenizationMismatch(f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append")
             if not s.n_messages:
                 continue
-            held = dec(s.input_ids[: s.last_prompt_len])
+            held = self.dec(s.input_ids[: s.last_prompt_len])
             raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
             fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
             if fresh.startswith(held):
@@ -1035,7 +1032,7 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     and new prompts are rolled out in its place, for up to max_filter_draws more rounds; then the last round's
     dropped groups fill what is still missing (they add only the KL term)."""
     cfg, G, t0 = run.cfg, run.cfg.num_generations, time.time()
-    kept, flat, rows, drawn, filtered, extra = [], [], run.batch(step), [], 0, 0
+    kept, flat, rows, drawn, extra = [], [], run.batch(step), [], 0
     for draw in range(cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1):
         # 1. rollout: whole GRPO groups, every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
@@ -1048,14 +1045,13 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         groups = [episodes[g:g + G] for g in range(0, len(episodes), G)]
         flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(e.adv_before or e.adv_after for e in g)]
         kept += [g for g in groups if not any(g is f for f in flat)]
-        filtered += len(flat)
         missing = len(run.batch(step)) // G - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
         rows = run.batch(step, draw + 1)[:missing * G]
         extra += missing
     # reward/outcome covers the trained groups only, biased by the filter: this covers every episode rolled out
-    m = {"rollout/groups_filtered": filtered, "rollout/extra_draws": extra,
+    m = {"rollout/groups_filtered": len(drawn) // G - len(kept), "rollout/extra_draws": extra,
          "reward/outcome_before_filter": float(np.mean(drawn))} if cfg.filter_zero_spread_groups else {}
     return [ep for g in kept + flat[:missing] for ep in g], {**m, "time/rollout": time.time() - t0}
 
@@ -1186,12 +1182,11 @@ def print_help():
           "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
           "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
           "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:")
-    for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        one_of = f"; one of {', '.join(allowed[f.name])}" if f.name in allowed else ""
-        one_of += f", range {ranges[f.name]}" if f.name in ranges else ""
-        print(f"  {f.name} ({getattr(hints[f.name], '__name__', hints[f.name])}, default {default!r}{one_of})\n"
-              f"      {docs.get(f.name, '')}")
+    for name, default in dataclasses.asdict(Config()).items():
+        one_of = f"; one of {', '.join(allowed[name])}" if name in allowed else ""
+        one_of += f", range {ranges[name]}" if name in ranges else ""
+        print(f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{one_of})\n"
+              f"      {docs.get(name, '')}")
 
 
 def main(argv=None):
@@ -1267,22 +1262,18 @@ class Run:
             dist.barrier()
         self.sampler.policy_version = version
         m = {"time/weight_sync": time.time() - t}
-        if self.cfg.sync_check_max_diff > 0:
-            m["sync/probe_logprob_diff"] = diff = self.probe_diff()
+        if self.cfg.sync_check_max_diff > 0:   # mean |server - trainer| logprob; every rank runs the forward (FSDP)
+            ids = torch.tensor([self.probe_ids], device=self.device)
+            with torch.no_grad(), autocast(self.cfg, self.device):
+                own = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+            diff = (torch.tensor(self.sampler.prompt_logprobs(self.probe_ids)) - own).abs().mean() if self.main else 0.0
+            m["sync/probe_logprob_diff"] = diff = all_sum(float(diff))[0]
             if diff > self.cfg.sync_check_max_diff:
                 raise SyncCheckError(f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
                                      f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
                                      f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
                                      "server's log), another model on the server, or a larger precision gap (raise the bound).")
         return m
-
-    def probe_diff(self) -> float:
-        """Mean |server - trainer| logprob over the probe's tokens (every rank runs the forward: FSDP needs it)."""
-        ids = torch.tensor([self.probe_ids], device=self.device)
-        with torch.no_grad(), autocast(self.cfg, self.device):
-            mine = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
-        diff = float((torch.tensor(self.sampler.prompt_logprobs(self.probe_ids)) - mine).abs().mean()) if self.main else 0.0
-        return all_sum(diff)[0]
 
     def on_signal(self, signum, frame):
         """SIGTERM or a first Ctrl-C: finish the step, save, exit (no more server retries); a second Ctrl-C aborts."""
@@ -1675,6 +1666,8 @@ class VLLMServerClient:
         self.pool = DaemonPool(cfg.max_concurrent_requests)   # daemons: an error never waits on requests still retrying
         self.policy_version = 0   # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
+        # one folder per run, so runs that share weight_sync_dir never clean up each other
+        self.sync_dir = os.path.join(cfg.weight_sync_dir, os.path.basename(os.path.abspath(cfg.output_dir)))
         self.nccl = None          # the NCCL group with the server's workers, made on the first nccl sync
         self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
         self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
@@ -1872,10 +1865,6 @@ class VLLMServerClient:
             received.result()
             self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
 
-    @property
-    def sync_dir(self) -> str:   # one folder per run, so runs that share weight_sync_dir never clean up each other
-        return os.path.join(self.cfg.weight_sync_dir, os.path.basename(os.path.abspath(self.cfg.output_dir)))
-
     def cleanup(self, keep=()):
         """Remove the synced folders but `keep`; at the end of a run (keep nothing) unload this run's adapters too."""
         for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - set(keep):
@@ -2040,27 +2029,20 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
 # === F. Loading recipes, plug-ins and data; small utilities =========================
 
 class RecipeLoader(yaml.SafeLoader):
-    """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off'."""
-    yaml_implicit_resolvers = {k: [(t, r) for t, r in v if t != "tag:yaml.org,2002:bool"]
-                               for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off', and where a key
+    written twice is an error: YAML would silently keep the last one (a recipe's appended `learning_rate:`)."""
+    yaml_implicit_resolvers = {k: [(t, re.compile(r"^(?:[tT]rue|TRUE|[fF]alse|FALSE)$") if t.endswith(":bool") else r)
+                                   for t, r in v] for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
-
-def _no_duplicate_keys(loader, node, deep=False):
-    """A key written twice is an error: YAML would silently keep the last one (a recipe's appended `learning_rate:`)."""
-    seen = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
-                              f"{' of ' + key_node.start_mark.name if key_node.start_mark.name != '<unicode string>' else ''}; "
-                              "keep one")
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep)
-
-
-RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                   list("tTfF"))
-RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key, mark = self.construct_object(key_node, deep=deep), key_node.start_mark
+            if key in seen:
+                where = f" of {mark.name}" if mark.name != "<unicode string>" else ""
+                raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {mark.line + 1}{where}; keep one")
+            seen[key] = mark.line
+        return super().construct_mapping(node, deep)
 
 
 def field_docs() -> dict[str, str]:

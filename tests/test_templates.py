@@ -315,3 +315,21 @@ def test_a_held_text_that_is_not_the_ids_is_caught_by_the_episode_end_check(qwen
     ep.samples[0].text += " "
     with pytest.raises(M.TokenizationMismatch, match="held text is not its ids decoded"):
         env.check_tokenization(ep)
+
+
+def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3):
+    """The next prompt REALIGNs (the sampled end marker becomes context) but leaves no room to sample: the episode
+    ends 'context' and its sample is exactly the first turn as sampled, every sampled token still trained (I1, I2)."""
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
+    other_eos = qwen3.convert_tokens_to_ids("<|endoftext|>")
+    call = enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>')
+    roomy = native_env(qwen3).rollout([{"prompt": "q"}], Turns(qwen3, [call + [other_eos], enc("Done.") + [other_eos]]))[0]
+    assert roomy.realigns == 1, "the setting below must REALIGN at the boundary"
+    first_prompt = len(roomy.turns[0].ids) + roomy.turns[0].prompt_len   # the sample after turn 0
+    sampler = Turns(qwen3, [call + [other_eos]])
+    [ep] = native_env(qwen3, max_seq_len=roomy.turns[1].prompt_len).rollout([{"prompt": "q"}], sampler)
+    assert ep.end_reason == "context" and len(ep.turns) == 1 and len(ep.samples) == 1
+    s = ep.samples[0]
+    assert len(s.input_ids) == first_prompt and s.input_ids[s.last_prompt_len:] == sampler.sent[0]
+    assert s.loss_mask[s.last_prompt_len:] == [1] * len(sampler.sent[0]) and s.text == qwen3.decode(s.input_ids)
+    assert ep.realigns == ep.realigned_tokens == 0 and ep.tokenization_mismatches == 0
