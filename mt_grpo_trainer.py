@@ -119,7 +119,7 @@ class Config:
     num_generations: Annotated[int, ">= 2"] = 8
     """Episodes per prompt (G): the group that GRPO normalises rewards within."""
     max_env_steps: Annotated[int, ">= 0"] = 2
-    """Most tool calls per episode; a call beyond it ends the episode unexecuted."""
+    """Most tool calls per episode; a turn whose calls would pass it ends the episode, none of them run."""
     max_tokens: Annotated[int, ">= 1"] = 64
     """Most new tokens the model may sample in one assistant turn."""
     max_seq_len: Annotated[int, ">= 2"] = 512
@@ -636,8 +636,6 @@ class MultiTurnToolEnv:
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.tok, self.cfg = tokenizer, cfg
-        self.enc = functools.partial(tokenizer.encode, add_special_tokens=False)
-        self.dec = functools.partial(tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.tools = {fn.__name__: fn for fn in tools}
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
         self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
@@ -650,7 +648,23 @@ class MultiTurnToolEnv:
         return DaemonPool(32)
 
     def new_episode(self, row: dict) -> Episode:
-        return new_episode(row, self.system_prompt)
+        ep = new_episode(row, self.system_prompt)
+        ep.messages = [{**m, "content": self.norm(m["content"])} if isinstance(m.get("content"), str) else m
+                       for m in ep.messages]
+        return ep
+
+    def norm(self, text: str) -> str:
+        """Text as the tokenizer reads it. Qwen's tokenizers NFC-normalise, so a decomposed character ("n\u0303") would
+        come back composed from its ids: the held text and a fresh rendering would differ (a false fork or mismatch)."""
+        from tokenizers import normalizers as N
+        n = getattr(getattr(self.tok, "backend_tokenizer", None), "normalizer", None)
+        return n.normalize_str(text) if isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) else text
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def dec(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
@@ -805,12 +819,12 @@ class MultiTurnToolEnv:
                 futures.append(self.pool.submit(self.tools[call["name"]], **args))
             except Exception as e:  # noqa: BLE001
                 futures.append(e)
-        deadline, results = time.monotonic() + self.cfg.tool_timeout, []
+        results = []
         for (ep, call), fut in zip(pending, futures):
             try:
                 # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
                 # arrives while we wait is raised here, in the main thread, and stops the run.
-                err = fut if isinstance(fut, Exception) else fut.exception(timeout=max(0.0, deadline - time.monotonic()))
+                err = fut if isinstance(fut, Exception) else self.tool_exception(fut)
             except concurrent.futures.TimeoutError:
                 self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
                 err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
@@ -822,9 +836,22 @@ class MultiTurnToolEnv:
             out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
             clean = out.encode("utf-8", "replace").decode("utf-8")   # lone surrogates cannot be tokenized: '?'
             ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
+            clean = self.norm(clean)
             results.append(clean)
             ep.messages.append(self.fmt.result(clean))
         return results
+
+    def tool_exception(self, fut: concurrent.futures.Future) -> BaseException | None:
+        """A call's exception (None once it returned). TimeoutError once it has run tool_timeout seconds since a worker
+        took it: with more calls than workers, time spent queued does not count."""
+        while True:
+            started = getattr(fut, "started", None)
+            left = 0.05 if started is None else started + self.cfg.tool_timeout - time.monotonic()
+            try:
+                return fut.exception(timeout=max(0.0, left))
+            except concurrent.futures.TimeoutError:
+                if started is not None:
+                    raise
 
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
@@ -844,7 +871,7 @@ class MultiTurnToolEnv:
             ep.done, ep.end_reason = True, "empty"              # nothing (or only EOS) was sampled
         elif not calls:
             ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
-        elif ep.tool_calls >= self.cfg.max_env_steps:
+        elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:   # every call counts, several in one turn too
             ep.done, ep.end_reason = True, "max_env_steps"
         else:
             if ep.first_result_turn is None:
@@ -1497,8 +1524,9 @@ def rollout_metrics(eps: list[Episode]) -> dict:
 
 
 def called(ep: Episode) -> int:
-    """Assistant turns that called a tool: every turn but the last, and the last too if the call limit ended it."""
-    return len(ep.turns) - 1 + (ep.end_reason == "max_env_steps")
+    """Assistant turns that called a tool: every turn but the last, and the last too if the call limit or the context
+    (no room for the next turn) ended it."""
+    return len(ep.turns) - 1 + (ep.end_reason in ("max_env_steps", "context"))
 
 
 class ToolCollapseAlarm:
@@ -2185,6 +2213,7 @@ class DaemonPool:
     def work(self):
         while True:
             fn, kwargs, fut = self.jobs.get()
+            fut.started = time.monotonic()   # a tool call is timed from here, not from when it was queued
             try:
                 fut.set_result(fn(**kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to the caller

@@ -23,6 +23,12 @@ def test_tool_rate_per_turn_index_counts_the_turns_that_called_a_tool():
     assert "rollout/tool_rate_turn0" not in M.rollout_metrics([episode(1, "answer")])
 
 
+def test_an_episode_that_ran_out_of_context_after_a_call_still_called():
+    """Turn 0 called a tool, then the next prompt left no room to sample: that turn called; no turn at all did not."""
+    m = M.rollout_metrics([episode(1, "context"), episode(0, "context")])
+    assert m["rollout/tool_rate_turn0"] == 0.5 and "rollout/tool_rate_turn1" not in m
+
+
 def test_the_alarm_warns_once_when_the_first_turns_tool_rate_collapses_and_the_run_goes_on(tmp_path):
     cfg = recipe_cfg(tmp_path, "tool_collapse_alarm=0.5", "tool_collapse_steps=5")
     os.makedirs(cfg.output_dir)

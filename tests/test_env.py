@@ -1,6 +1,7 @@
 """MultiTurnToolEnv: masks come from sampled ids (I1), lists stay aligned (I2), non-sampled tokens are
 masked (I3), samples extend or fork (I4), and failures become counted outcomes (I6)."""
 import json
+import time
 
 import pytest
 
@@ -217,3 +218,16 @@ def test_a_128_turn_tool_episode_stays_one_sample_of_linear_size(tok, tmp_path):
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == [i for ids in sampler.sent for i in ids]
     per_turn = sum(t.prompt_len + len(t.ids) for t in ep.turns)   # what one sample per turn would hold
     assert len(s.input_ids) == len(sampler.prompts[-1]) + len(sampler.sent[-1]) and per_turn > 50 * len(s.input_ids)
+
+
+def test_tool_timeout_counts_from_when_a_worker_takes_the_call_not_from_the_queue():
+    """128 calls of 0.3 s against 32 workers take four rounds (~1.2 s), past tool_timeout=1.0: none may time out."""
+    def nap(x: str) -> str:
+        """Sleeps 0.3 s."""
+        time.sleep(0.3)
+        return "ok"
+
+    env = M.MultiTurnToolEnv(None, [nap], M.Config(tool_timeout=1.0))
+    eps = [env.new_episode({"prompt": "q"}) for _ in range(128)]
+    results = env.run_tools([(ep, {"name": "nap", "args": {"x": "1"}}) for ep in eps])
+    assert results == ["ok"] * 128 and sum(ep.tool_errors for ep in eps) == 0

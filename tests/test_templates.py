@@ -333,3 +333,34 @@ def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3):
     assert len(s.input_ids) == first_prompt and s.input_ids[s.last_prompt_len:] == sampler.sent[0]
     assert s.loss_mask[s.last_prompt_len:] == [1] * len(sampler.sent[0]) and s.text == qwen3.decode(s.input_ids)
     assert ep.realigns == ep.realigned_tokens == 0 and ep.tokenization_mismatches == 0
+
+
+def test_decomposed_unicode_from_a_tool_or_a_prompt_is_read_as_the_tokenizer_reads_it(qwen3):
+    """Qwen's tokenizer NFC-normalises: a tool result or prompt with a decomposed character ("n" + U+0303, as some
+    Wikipedia passages have) must not make a fork, a mismatch that stops the run, or switch the bridge off."""
+    nfd = "La Can\u0303ada Flintridge is a city in Los Angeles County."
+
+    def search(query: str) -> str:
+        """Search."""
+        return nfd
+
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n</tool_call>'
+    env = M.MultiTurnToolEnv(qwen3, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=2,
+                                                        tokenization_check="strict"))
+    [ep] = env.rollout([{"prompt": "Where is La Can\u0303ada?"}],
+                       Turns(qwen3, [enc(call), enc(call), enc("<think>\ny\n</think>\n\nIn California.")]))
+    assert ep.end_reason == "answer" and ep.tool_calls == 2 and ep.tokenization_mismatches == 0
+    assert len(ep.samples) == 1 and ep.forks == 0 and all(b["extends"] for b in ep.boundaries)
+    assert env.bridge_checks == 2, "the bridge stays on"
+    assert "Ca\u00f1ada" in ep.messages[0]["content"] and ep.messages[2]["content"] == "Ca\u00f1ada".join(nfd.split("Can\u0303ada"))
+
+
+def test_max_env_steps_counts_every_call_of_a_turn(qwen3):
+    """A native turn with three calls when two are allowed ends the episode, none of them run."""
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    three = "\n".join(f'<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "{q}"}}}}\n</tool_call>' for q in "abc")
+    for limit, runs in ((2, 0), (3, 3)):
+        [ep] = native_env(qwen3, max_env_steps=limit).rollout([{"prompt": "q"}], Turns(qwen3, [enc(three), enc("Done.")]))
+        assert ep.tool_calls == runs and sum(m["role"] == "tool" for m in ep.messages) == runs
+        assert ep.end_reason == ("max_env_steps" if runs == 0 else "answer")
