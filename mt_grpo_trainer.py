@@ -515,8 +515,8 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     mask = mask.to(logp.dtype)
     loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, num_tokens, num_seqs)
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        stats = {"clip_frac": (((ratio - clipped).abs() > 1e-8).to(mask.dtype) * mask).sum() / n,
+        n = mask.sum().clamp(min=1)   # clipped: min takes the clipped term, so the token gets no policy gradient
+        stats = {"clip_frac": ((clipped * adv < ratio * adv).to(mask.dtype) * mask).sum() / n,
                  "kl": (kl * mask).sum() / n, "ratio": (ratio * mask).sum() / n}
     return loss, stats
 

@@ -43,15 +43,16 @@ def test_loss_matches_direct_computation(agg, beta):
     assert abs(loss.item() - want) < 1e-5
 
 
-def test_clipped_tokens_get_no_gradient():
-    logp = torch.tensor([[0.5, -0.5, 0.1]], requires_grad=True)     # ratios e^0.5, e^-0.5, e^0.1
-    old = torch.zeros(1, 3)
-    adv = torch.tensor([[1.0, -1.0, 1.0]])
-    loss, st = M.grpo_loss(logp, old, adv, torch.ones(1, 3), epsilon=0.2, epsilon_high=0.2,
-                           aggregation="token_mean", num_tokens=3, num_seqs=1)
+def test_clipped_tokens_get_no_gradient_and_clip_frac_counts_exactly_those():
+    # ratios e^0.5 (A > 0) and e^-0.5 (A < 0) are clipped; e^0.1 is inside; e^-0.7 with A > 0 and e^0.4 with A < 0
+    # are outside [1 - eps, 1 + eps] too, but min takes their unclipped term: their gradient flows, so not clipped
+    logp = torch.tensor([[0.5, -0.5, 0.1, -0.7, 0.4]], requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, -1.0]])
+    loss, st = M.grpo_loss(logp, torch.zeros(1, 5), adv, torch.ones(1, 5), epsilon=0.2, epsilon_high=0.2,
+                           aggregation="token_mean", num_tokens=5, num_seqs=1)
     loss.backward()
-    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] == 0 and logp.grad[0, 2] != 0
-    assert abs(st["clip_frac"].item() - 2 / 3) < 1e-6
+    assert (logp.grad[0] == 0).tolist() == [True, True, False, False, False]
+    assert st["clip_frac"].item() == pytest.approx(2 / 5)
 
 
 def grads_after(model, tok, samples, cfg):
