@@ -975,7 +975,8 @@ def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
 
 
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple[list[dict], dict]:
-    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1).
+    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
+    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
     groups = make_microbatches(samples, cfg)
     real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
@@ -1001,8 +1002,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     num_tokens, num_seqs = all_sum(sum(sum(s.loss_mask) for s in samples), len(samples))
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
-    mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
     model.train()
+    mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
     sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0,
             "rollout/sampler_logprob_diff": 0.0}   # mean |old - sampler| over trained tokens: the mismatch behind is_weight
     for it in range(cfg.num_iterations):

@@ -88,6 +88,20 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path, agg):
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-4, atol=1e-7)
 
 
+def test_old_logprobs_are_taken_in_train_mode_as_the_loss_is(tiny, tmp_path):
+    """With num_iterations > 1 the old logprobs come from their own forward; dropout must act there as in the loss's
+    forwards, or the first ratios are off. The model arrives in eval mode, as from_pretrained leaves it."""
+    model, tok = tiny
+    modes = []
+    model.register_forward_hook(lambda m, args, out: modes.append(m.training))
+    model.eval()
+    cfg = recipe_cfg(tmp_path, "num_iterations=2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1)
+    M.train_on_samples(model, None, opt, sched, random_samples(tok, 2, seed=5), cfg, tok.pad_token_id)
+    assert modes == [True] * 3, "one forward for the old logprobs, one per iteration, every one in train mode"
+
+
 def test_num_iterations_reuses_the_batch_with_fixed_old_logprobs(tiny, tmp_path):
     model, tok = tiny
     samples = random_samples(tok, 4, seed=2)
