@@ -149,7 +149,7 @@ class Config:
     beta: Annotated[float, ">= 0"] = 0.0
     """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
     loss_aggregation: str = "token_mean"
-    """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean of per-sample means)."""
+    """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean over episodes of each episode's mean token loss: an episode weighs the same however many samples it forked into)."""
     mask_truncated_completions: bool = False
     """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group)."""
     num_iterations: Annotated[int, ">= 1"] = 1
@@ -288,6 +288,7 @@ class Sample:
     text: str = ""                                            # the held text: input_ids decoded, kept as they grow
     prompt_chars: int = 0                                     # characters of `text` in the sampler's last prompt
     think_tokens: int = 0                                     # <think> tokens in that prompt
+    episode_tokens: int = 0                                   # trained tokens of its episode's samples (0: its own)
 
     def truncate(self, n: int, text: str):
         for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions"):
@@ -463,31 +464,41 @@ def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: l
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
     """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6). Left out too:
-    samples with nothing sampled and, with mask_truncated_completions, episodes cut by max_tokens or the context."""
-    samples = [s for ep in episodes for s in ep.samples if any(s.loss_mask)
-               and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
-    finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
-    return finite, len(samples) - len(finite)
+    samples with nothing sampled and, with mask_truncated_completions, episodes cut by max_tokens or the context.
+    Each kept sample notes its episode's trained tokens over the kept samples (what sequence_mean divides by)."""
+    kept, rejected = [], 0
+    for ep in episodes:
+        samples = [s for s in ep.samples if any(s.loss_mask)
+                   and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
+        finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
+        for s in finite:
+            s.episode_tokens = sum(sum(x.loss_mask) for x in finite)
+        kept += finite
+        rejected += len(samples) - len(finite)
+    return kept, rejected
 
 
 # --- loss -------------------------------------------------------------------------------------
 
-def token_mean(per_token, mask, num_tokens: int, num_seqs: int):
+def token_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over every trained token of the batch (each token weighs the same, as in DAPO)."""
     return (per_token * mask).sum() / max(num_tokens, 1)
 
 
-def sequence_mean(per_token, mask, num_tokens: int, num_seqs: int):
-    """Mean of per-sample means (each sample weighs the same, as in the original GRPO)."""
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1)
+def sequence_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
+    """Mean over episodes of each episode's mean token loss (each episode weighs the same, as in the original GRPO):
+    a row adds its masked sum over its episode's trained tokens, so a fork never changes an episode's weight."""
+    return ((per_token * mask).sum(-1) / seq_tokens.clamp(min=1)).sum() / max(num_seqs, 1)
 
 
-# loss_aggregation -> fn(per_token [B, T], mask [B, T], batch's trained tokens, batch's samples) -> scalar.
+# loss_aggregation -> fn(per_token [B, T], mask [B, T], seq_tokens [B], batch's trained tokens, batch's sequences)
+# -> scalar. A sequence is an episode: seq_tokens holds each row's episode's trained tokens (over all its samples),
+# and the batch counts the episodes with a trained token, on every rank.
 LOSS_AGGREGATIONS = {"token_mean": token_mean, "sequence_mean": sequence_mean}
 
 
 def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float, aggregation: str,
-              num_tokens: int, num_seqs: int, beta: float = 0.0, ref_logp=None, is_weight=None):
+              num_tokens: int, num_seqs: int, seq_tokens=None, beta: float = 0.0, ref_logp=None, is_weight=None):
     """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch:
 
         loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
@@ -501,7 +512,8 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     `old` is the trainer's own logprob before this batch's first update; `w_t` corrects for the sampler being another
     policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the nucleus it drew
     from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k weight versions. With the
-    whole batch's denominators, summed micro-batch losses give the whole batch's gradient (gradient accumulation)."""
+    whole batch's denominators, summed micro-batch losses give the whole batch's gradient (gradient accumulation).
+    `seq_tokens` [B]: the trained tokens of each row's episode (None: each row is an episode of its own)."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
@@ -513,7 +525,8 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
         kl = torch.exp(d) - d - 1                      # k3 estimator of KL(pi || ref), >= 0
         per_token = per_token + beta * kl
     mask = mask.to(logp.dtype)
-    loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, num_tokens, num_seqs)
+    seq_tokens = mask.sum(-1) if seq_tokens is None else seq_tokens
+    loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, seq_tokens, num_tokens, num_seqs)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)   # clipped: min takes the clipped term, so the token gets no policy gradient
         stats = {"clip_frac": ((clipped * adv < ratio * adv).to(mask.dtype) * mask).sum() / n,
@@ -958,6 +971,7 @@ def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tenso
         return torch.tensor([getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device)
     return {"ids": pad("input_ids", pad_id, torch.long), "mask": pad("loss_mask", 0, torch.long),
             "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32), "adv": pad("advantages", 0.0, torch.float32),
+            "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
             "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device)}
 
 
@@ -999,7 +1013,9 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     size, because DDP and FSDP average gradients over ranks: N ranks give one process's update on the union."""
     device = next(model.parameters()).device
     world = dist.get_world_size() if dist.is_initialized() else 1
-    num_tokens, num_seqs = all_sum(sum(sum(s.loss_mask) for s in samples), len(samples))
+    # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
+    shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
+    num_tokens, num_seqs = map(round, all_sum(sum(sum(s.loss_mask) for s in samples), sum(shares)))
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -1017,7 +1033,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
                        if cfg.is_ratio_cap > 0 else None)
                 loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                                      aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
-                                     beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
+                                     seq_tokens=mb["seq_tokens"], beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
                 (loss * world).backward()
             w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
             sums["loss/policy"] += loss.item() / cfg.num_iterations

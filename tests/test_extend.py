@@ -16,7 +16,7 @@ def positive_only(turn_R, outcome_R, coef, scale):
     return a, a
 
 
-def sum_over_tokens(per_token, mask, num_tokens, num_seqs):
+def sum_over_tokens(per_token, mask, seq_tokens, num_tokens, num_seqs):
     """A made-up aggregation: the plain sum over trained tokens, divided by the batch's samples."""
     return (per_token * mask).sum() / max(num_seqs, 1)
 

@@ -55,6 +55,22 @@ def test_clipped_tokens_get_no_gradient_and_clip_frac_counts_exactly_those():
     assert st["clip_frac"].item() == pytest.approx(2 / 5)
 
 
+@pytest.mark.parametrize("agg", ["token_mean", "sequence_mean"])
+def test_an_episode_split_into_two_samples_weighs_what_it_weighs_in_one(agg):
+    """A sequence is an episode: a fork moves an episode's tokens into two rows without changing its weight."""
+    g = torch.Generator().manual_seed(3)
+    adv = [torch.randn(n, generator=g) for n in (5, 3, 2)]   # episode A: 5 + 3 tokens, B: 2; loss_t = -A_t
+
+    def loss(rows, seq_tokens):
+        pad = [torch.nn.functional.pad(torch.stack([r, torch.ones_like(r)]), (0, 8 - len(r))) for r in rows]
+        a, mask = torch.stack(pad).unbind(1)
+        return M.grpo_loss(torch.zeros_like(a), torch.zeros_like(a), a, mask, epsilon=0.2, epsilon_high=0.2,
+                           aggregation=agg, num_tokens=10, num_seqs=2, seq_tokens=torch.tensor(seq_tokens))[0].item()
+    split, whole = loss(adv, [8.0, 8.0, 2.0]), loss([torch.cat(adv[:2]), adv[2]], [8.0, 2.0])
+    want = -(torch.cat(adv[:2]).mean() + adv[2].mean()) / 2 if agg == "sequence_mean" else -torch.cat(adv).mean()
+    assert split == pytest.approx(whole, abs=1e-6) and split == pytest.approx(want.item(), abs=1e-6)
+
+
 def grads_after(model, tok, samples, cfg):
     """Accumulated gradient of one batch (SGD with lr 0 leaves the weights and keeps .grad)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -86,6 +102,32 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path, agg):
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(grads[2], grads[0], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sequence_mean"])
+def test_the_update_weighs_episodes_however_many_samples_they_forked_into(tiny, tmp_path, agg):
+    """trainable_samples -> train_on_samples against the loss written out by hand: with sequence_mean each episode's
+    token losses are averaged over all its samples' tokens, then over episodes, also with a fork split over
+    micro-batches; with token_mean every token weighs the same."""
+    model, tok = tiny
+    a1, a2, b, empty = random_samples(tok, 4, seed=4)
+    empty.loss_mask = [0] * len(empty.loss_mask)
+    eps = [M.Episode(row={}, messages=[], n_prompt_messages=0, samples=ss) for ss in ([a1, a2], [b], [empty])]
+    samples, _ = M.trainable_samples(eps, recipe_cfg(tmp_path))
+    n_a = sum(a1.loss_mask) + sum(a2.loss_mask)
+    assert samples == [a1, a2, b] and [s.episode_tokens for s in samples] == [n_a, n_a, sum(b.loss_mask)]
+    want = 0.0   # ratio 1, no IS weight: loss = -sum A_t logp_t / (episode tokens x episodes) or / all tokens
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        lp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
+        want = want - (lp * torch.tensor(s.advantages) * torch.tensor(s.loss_mask)).sum() / (
+            s.episode_tokens * 2 if agg == "sequence_mean" else sum(sum(x.loss_mask) for x in samples))
+    want.backward()
+    want_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    for mbs in (3, 1):
+        cfg = recipe_cfg(tmp_path, f"micro_batch_size={mbs}", f"loss_aggregation={agg}", "max_grad_norm=0", "beta=0",
+                         "is_ratio_cap=0", "temperature=1.0")
+        torch.testing.assert_close(grads_after(model, tok, samples, cfg), want_grad, rtol=1e-4, atol=1e-7)
 
 
 def test_old_logprobs_are_taken_in_train_mode_as_the_loss_is(tiny, tmp_path):
