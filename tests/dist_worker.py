@@ -1,5 +1,6 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): one train_on_samples update on a
-fixed batch, each rank holding its share of the groups. Rank 0 writes the updated weights."""
+fixed batch, each rank holding its share of the groups. Rank 0 writes the updated weights. Several
+updates in one launch: override sets separated by `::`, each on a freshly loaded model."""
 import os
 import random
 import sys
@@ -10,48 +11,47 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mt_grpo_trainer as M  # noqa: E402
 
 
-def fixed_batch(vocab: int, n_groups: int = 4, group: int = 2) -> list[list[M.Sample]]:
-    """Groups of samples with different lengths, masks and advantages (the same in every process)."""
+def fixed_batch(vocab: int, n_groups: int = 4, group: int = 2) -> list[list[M.Episode]]:
+    """Groups of episodes with different lengths, masks and advantages (the same in every process). The first
+    episode (on rank 0) forked: it has two samples."""
     rng = random.Random(0)
     groups = []
-    for _ in range(n_groups):
+    for i in range(n_groups):
         g = []
-        for _ in range(group):
-            s = M.Sample()
-            n_prompt, n_sampled = rng.randint(3, 20), rng.randint(2, 25)
-            s.append([rng.randrange(vocab) for _ in range(n_prompt)], mask=0)
-            s.append([rng.randrange(vocab) for _ in range(n_sampled)], mask=1,
-                     logprobs=[-rng.uniform(0.5, 4) for _ in range(n_sampled)], turn=0)
-            adv = rng.uniform(-1.5, 1.5)
-            s.advantages = [adv * m for m in s.loss_mask]
-            g.append(s)
+        for j in range(group):
+            ep, adv = M.Episode(row={}, messages=[], n_prompt_messages=0), rng.uniform(-1.5, 1.5)
+            for _ in range(2 if i == j == 0 else 1):
+                s = M.Sample()
+                n_prompt, n_sampled = rng.randint(3, 20), rng.randint(2, 25)
+                s.append([rng.randrange(vocab) for _ in range(n_prompt)], mask=0)
+                s.append([rng.randrange(vocab) for _ in range(n_sampled)], mask=1,
+                         logprobs=[-rng.uniform(0.5, 4) for _ in range(n_sampled)], turn=0)
+                s.advantages = [adv * m for m in s.loss_mask]
+                ep.samples.append(s)
+            g.append(ep)
         groups.append(g)
     return groups
 
 
-def update(model_dir: str, overrides: list[str]) -> dict:
-    """One optimizer step; returns the full updated state dict (complete on rank 0)."""
-    from transformers import AutoModelForCausalLM
-    cfg = M.load_config(None, ["learning_rate=1.0", "max_grad_norm=0", *overrides])
+def update(model_dir: str, overrides: list[str]) -> tuple[dict, dict]:
+    """One optimizer step; returns the full updated state dict (complete on rank 0) and the step's metrics."""
+    cfg = M.load_config(None, [f"model_name_or_path={model_dir}", "learning_rate=1.0", "max_grad_norm=0", *overrides])
     rank, world, device = M.init_distributed(cfg) if ("RANK" in os.environ or cfg.fsdp) else (0, 1, torch.device("cpu"))
-    model = M.add_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)   # as load_models
-    if cfg.gradient_checkpointing:   # as train() does
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, model, ref_model, policy, _, _ = M.load_models(cfg, model_dir, device)   # as a run loads them (reference too)
     groups = fixed_batch(model.config.vocab_size)
-    mine = [s for g in groups[rank::world] for s in g]   # whole groups per rank
-    policy = M.wrap_model(model, cfg, device)
+    mine, _ = M.trainable_samples([ep for g in groups[rank::world] for ep in g], cfg)   # whole groups per rank
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)   # the update is the gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    metrics = M.train_on_samples(policy, None, opt, sched, mine, cfg, pad_id=0)
+    metrics = M.train_on_samples(policy, ref_model, opt, sched, mine, cfg, pad_id=0)
     sd, _ = M.full_state(model, None, cfg.fsdp)
     return sd, metrics
 
 
 if __name__ == "__main__":
     model_dir, out = sys.argv[1], sys.argv[2]
-    sd, metrics = update(model_dir, sys.argv[3:])
+    runs = [update(model_dir, o.split()) for o in " ".join(sys.argv[3:]).split("::")]
     if int(os.environ.get("RANK", 0)) == 0:
-        torch.save({"state": sd, "metrics": metrics}, out)
+        torch.save([{"state": sd, "metrics": metrics} for sd, metrics in runs], out)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()   # as Run.close: no rank tears gloo down while another still uses it
         torch.distributed.destroy_process_group()

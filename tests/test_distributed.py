@@ -1,5 +1,5 @@
-"""torchrun on CPU with 2 gloo ranks: the same update as one process, end-to-end training, and a
-failing rank that stops every rank."""
+"""torchrun on CPU with 2 gloo ranks: the same update as one process (also with KL, sequence_mean and gradient
+clipping), end-to-end training, and a failing rank that stops every rank."""
 import os
 import subprocess
 import sys
@@ -21,6 +21,20 @@ def torchrun(args, timeout=240, env=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def assert_same_update(two: dict, one_sd: dict, one_m: dict, model_dir: str, lora: bool = False):
+    """2 ranks' weights and loss equal one process's, and the update moved the weights (or it proves nothing)."""
+    from transformers import AutoModelForCausalLM
+    before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == lora for k in one_sd), \
+        "LoRA: the adapters' tensors alone, from every layout"
+    moved = 0.0
+    for k, v in one_sd.items():
+        torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        moved = max(moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k))
+    assert moved > 1e-3, "the update did nothing, so the comparison proves nothing"
+    assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("layout,budget", [("ddp", 0), ("ddp", 90), ("fsdp", 0), ("fsdp", 90), ("fsdp+checkpointing", 90),
                                            ("ddp+lora", 0), ("fsdp+lora+checkpointing", 90)])
 def test_two_ranks_give_the_update_of_one(tiny_model_dir, tmp_path, layout, budget):
@@ -29,18 +43,36 @@ def test_two_ranks_give_the_update_of_one(tiny_model_dir, tmp_path, layout, budg
                  "micro_batch_size=3", f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}", *lora]
     r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *overrides])
     assert r.returncode == 0, r.stderr[-3000:]
-    two = torch.load(tmp_path / "two.pt")
+    [two] = torch.load(tmp_path / "two.pt")
     one_sd, one_m = update(tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora])
-    from transformers import AutoModelForCausalLM
-    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
-    assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == bool(lora) for k in one_sd), \
-        "LoRA: the adapters' tensors alone, from every layout"
-    moved = 0.0
-    for k, v in one_sd.items():
-        torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-        moved = max(moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k))
-    assert moved > 1e-3, "the update did nothing, so the comparison proves nothing"
-    assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7)
+    assert_same_update(two, one_sd, one_m, tiny_model_dir, bool(lora))
+
+
+# What the cross-rank sums must get right besides the policy term: the KL (beta > 0, with a second iteration so that
+# the policy has left the reference), sequence_mean's episode count (episode 0, on rank 0, has two samples), and
+# gradient clipping (max_grad_norm below the batch's gradient norm, about 0.06).
+VARIANTS = {"kl": ["beta=1.0", "num_iterations=2"], "sequence_mean": ["loss_aggregation=sequence_mean"],
+            "clipped": ["max_grad_norm=0.02"]}
+
+
+def test_two_ranks_give_the_update_of_one_with_kl_sequence_mean_and_clipping(tiny_model_dir, tmp_path):
+    """One launch runs each variant under DDP and under FSDP: a launch costs seconds, a tiny model's update does not."""
+    runs = [(name, fsdp) for fsdp in ("false", "true") for name in VARIANTS]
+    common = ["micro_batch_size=3", "max_tokens_per_microbatch=90"]
+    sets = [" ".join([f"fsdp={fsdp}", *common, *VARIANTS[name]]) for name, fsdp in runs]
+    r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *" :: ".join(sets).split()])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in VARIANTS:
+        one_sd, one_m = update(tiny_model_dir, ["fsdp=false", *common, *VARIANTS[name]])
+        for (n, fsdp), two in zip(runs, torch.load(tmp_path / "two.pt")):
+            if n == name:
+                assert_same_update(two, one_sd, one_m, tiny_model_dir)
+                for k in ("loss/kl", "loss/grad_norm"):
+                    assert two["metrics"][k] == pytest.approx(one_m[k], rel=1e-5, abs=1e-9), f"{name}, fsdp={fsdp}: {k}"
+        if name == "kl":
+            assert one_m["loss/kl"] > 1e-4, "the policy never left the reference, so the KL term did nothing"
+        if name == "clipped":
+            assert one_m["loss/grad_norm"] > 0.02, "the gradient was never clipped"
 
 
 def test_token_budget_buckets_by_length_and_reports_padding():

@@ -72,17 +72,32 @@ def test_non_finite_sampler_logprobs_reject_their_sample(tok, tmp_path, tiny):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_importance_weights_are_capped(tiny, tmp_path):
+def test_importance_weights_are_capped_from_above_and_carry_no_gradient(tiny, tmp_path):
+    """w = min(exp(old - sampler), cap), a constant to the gradient: a token the sampler found more likely than the
+    trainer weighs < 1 (uncapped), a moderately less likely one > 1, a far less likely one exactly the cap."""
     model, tok = tiny
     s = M.Sample()
     s.append([5, 6, 7], mask=0)
-    s.append([8, 9, 10], mask=1, logprobs=[-50.0] * 3, turn=0)   # the sampler thought these nearly impossible
-    s.advantages = [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    s.append([8, 9, 10], mask=1, logprobs=[0.0] * 3, turn=0)
+    s.advantages = [0.0, 0.0, 0.0, 1.0, -0.5, 1.0]
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        trainer = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
+    s.sampler_logprobs[3:] = (trainer[3:] + torch.tensor([1.5, -0.3, -50.0])).tolist()
+    weight = torch.tensor([[0, 0, 0, math.exp(-1.5), math.exp(0.3), 2.0]])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     m = M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), [s],
-                           recipe_cfg(tmp_path, "is_ratio_cap=2.0"), 0)
-    assert m["loss/is_weight"] == pytest.approx(2.0)
+                           recipe_cfg(tmp_path, "is_ratio_cap=2.0", "max_grad_norm=0", "temperature=1.0"), 0)
+    assert m["loss/is_weight"] == pytest.approx(weight.sum().item() / 3, rel=1e-4)
     assert math.isfinite(m["loss/policy"])
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+    mask = torch.tensor([s.loss_mask])
+    M.grpo_loss(logp, logp.detach(), torch.tensor([s.advantages]), mask, epsilon=0.2, epsilon_high=0.2,
+                aggregation="token_mean", num_tokens=3, num_seqs=1, is_weight=weight)[0].backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, tmp_path, monkeypatch):
