@@ -2221,8 +2221,9 @@ def load_object(spec: str, what: str = "object"):
 
 def plugin_error(e: BaseException, what: str) -> ConfigError:
     """A plug-in's exception as one line, at its deepest frame in the user's code (not Python's, a package's, ours)."""
+    python = (os.path.dirname(os.__file__), "<")   # the standard library, frozen importlib
     frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith((sys.prefix, sys.base_prefix, "<")) and f.filename != __file__]
+              if not f.filename.startswith(python) and "-packages" not in f.filename and f.filename != __file__]
     at = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""   # a SyntaxError names its own file and line
     fix = "install the missing package" if isinstance(e, ImportError) else "fix it there"
     return ConfigError(f"{what}: {type(e).__name__}: {' '.join(str(e).split()):.300}{at}; {fix}")
