@@ -63,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -1257,7 +1258,6 @@ def main(argv=None):
         exit_now(130)
     except BaseException:
         if dist.is_initialized():   # torchrun stops the other ranks once this one exits: never a hang
-            import traceback
             traceback.print_exc()
             exit_now(1)
         raise
@@ -1406,6 +1406,20 @@ def load_plugins(run: Run, eval_only: bool):
     run.tools = [load_object(s, "tool") for s in cfg.tools]
     run.turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
     run.outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
+    specs = cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs
+    for i, (spec, fn) in enumerate(zip(specs, run.tools + run.turn_fns + run.outcome_fns)):
+        what = "tool" if i < len(run.tools) else "reward function"
+        lazy = [f for f in (fn, getattr(fn, "__call__", None)) if inspect.iscoroutinefunction(f)
+                or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)]   # returns before its body runs
+        if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):   # a tool is called by name
+            kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
+            raise ConfigError(f"{what} '{spec}' is {kind}, not a function that returns its result; "
+                              "write it as a plain def")
+    for i, fn in enumerate(run.tools):   # the model calls a tool by name: a second tool of one name shadows the first
+        first = next(j for j, g in enumerate(run.tools) if g.__name__ == fn.__name__)
+        if first < i:
+            raise ConfigError(f"tools '{cfg.tools[first]}' and '{cfg.tools[i]}' are both named '{fn.__name__}'; "
+                              "rename one")
     run.turn_w = cfg.turn_reward_weights or [1.0] * len(run.turn_fns)
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
@@ -1480,18 +1494,33 @@ def load_models(cfg: Config, src: str, device: torch.device):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
     frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path if cfg.lora_rank else src,
-                                                          dtype=torch.float32), cfg, src).to(device)
+    tokenizer = pretrained(AutoTokenizer, src)
+    model = add_lora(pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src,
+                                dtype=torch.float32), cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
-    ref_model = model if cfg.lora_rank else (AutoModelForCausalLM.from_pretrained(
-        cfg.model_name_or_path, dtype=torch.float32).to(device).eval().requires_grad_(False) if cfg.beta > 0 else None)
+    ref_model = model if cfg.lora_rank else (pretrained(AutoModelForCausalLM, cfg.model_name_or_path,
+                                                        dtype=torch.float32).to(device).eval().requires_grad_(False)
+                                             if cfg.beta > 0 else None)
     policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF (or peft) module
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+def pretrained(cls, path: str, **kw):
+    """`cls.from_pretrained(path)`: a folder that is not there, or a model that does not load, is one line."""
+    if not os.path.isdir(path) and not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", path):   # nor a hub id (org/name)
+        raise ConfigError(f"model_name_or_path '{path}' does not exist (no such folder); set it to a model folder or a "
+                          "hub id (org/name), or set model_builder to a function that builds it there")
+    try:
+        return cls.from_pretrained(path, **kw)
+    except (OSError, ValueError) as e:   # transformers: OSError for a missing file or repo, ValueError for a bad one
+        folder, why = os.path.isdir(path), " ".join(str(e).split()).rstrip(".")
+        tried = "from that folder" if folder else "as a hub id (no such folder)"
+        fix = "check that it holds a model saved by save_pretrained" if folder else "check the id and the network"
+        raise ConfigError(f"{cls.__name__} cannot load '{path}' {tried}: {why:.400}; {fix}") from None
 
 
 def add_lora(model, cfg: Config, src: str = ""):
@@ -2136,8 +2165,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
-        with open(path) as f:
-            raw = yaml.load(f, Loader=RecipeLoader) or {}
+        with open(path, "rb") as f:   # bytes: YAML's reader names the file and position of any byte that is not UTF-8
+            raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
     hints, allowed, ranges = typing.get_type_hints(Config), choices(), field_ranges()
@@ -2146,7 +2175,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{ov}' must look like key=value")
         k, v = ov.split("=", 1)
         k = k.strip()
-        raw[k] = v if hints.get(k) is str else yaml.load(v, Loader=RecipeLoader) if v.strip() else ""
+        raw[k] = v if hints.get(k) is str else read_yaml(v, f"the value of override '{ov}'") if v.strip() else ""
     values = {}
     for k, v in raw.items():
         if k not in hints:
@@ -2171,6 +2200,19 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def read_yaml(stream, where: str):
+    """YAML as recipes read it; a syntax error is one line naming `where`, the line and the problem."""
+    try:
+        return yaml.load(stream, Loader=RecipeLoader)
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or getattr(e, "reason", e)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else f", position {getattr(e, 'position', 0)}"
+        if getattr(e, "context_mark", None):   # e.g. an unclosed '[': where it opened
+            problem += f" ({e.context} from line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+        fix = "save it as UTF-8 text" if isinstance(e, yaml.reader.ReaderError) else "quote values with ': ' or ' #'"
+        raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
+
+
 def load_object(spec: str, what: str = "object"):
     """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
     if ":" not in spec:
@@ -2184,27 +2226,68 @@ def load_object(spec: str, what: str = "object"):
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
         sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(module)
+        try:
+            spec_.loader.exec_module(module)
+        except (Exception, SystemExit) as e:
+            del sys.modules[mod_name]   # the next load runs the file again, not a half-made module
+            raise plugin_error(e, f"{what} file '{path}' failed on import") from None
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
     return getattr(module, name)
 
 
+def plugin_error(e: BaseException, what: str) -> ConfigError:
+    """A plug-in's exception as one line, at its deepest frame in the user's code (not Python's, a package's, ours)."""
+    python = (os.path.dirname(os.__file__), "<")   # the standard library, frozen importlib
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(python) and "-packages" not in f.filename and f.filename != __file__]
+    at = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""   # a SyntaxError names its own file and line
+    fix = "install the missing package" if isinstance(e, ImportError) else "fix it there"
+    return ConfigError(f"{what}: {type(e).__name__}: {' '.join(str(e).split()):.300}{at}; {fix}")
+
+
 def load_rows(spec: str) -> list[dict]:
+    """A dataset's rows (a .jsonl file or file.py:function), checked: JSON objects with one set of columns, each
+    with a prompt the chat template can render (a row that fails would otherwise crash the step that draws it)."""
+    lines = []   # for a .jsonl file, each row's line in it
     if spec.endswith(".jsonl"):
         if not os.path.isfile(spec):
             raise ConfigError(f"dataset file not found: {spec}")
-        with open(spec) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        with open(spec, "rb") as f:   # bytes, which json.loads decodes: a byte that is not UTF-8 is named in its line
+            numbered = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+        lines, rows = [n for n, _ in numbered], []
+        for n, line in numbered:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:   # its own line number counts within the line
+                raise ConfigError(f"dataset {spec}, line {n}, column {e.colno}: not JSON ({e.msg}); "
+                                  "each line must be one JSON object") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"dataset {spec}, line {n}: byte {e.start} of the line is not UTF-8 ({e.reason}); "
+                                  "save the file as UTF-8") from None
     else:
-        rows = list(load_object(spec, "dataset function")())
-    if not rows or any("prompt" not in r for r in rows):
-        raise ConfigError(f"dataset '{spec}' is empty or has rows without a 'prompt' column")
-    cols = set(rows[0])   # reward functions get every column for every episode: a missing one must not become None
+        fn = load_object(spec, "dataset function")
+        try:
+            rows = list(fn())
+        except (Exception, SystemExit) as e:
+            raise plugin_error(e, f"dataset function '{spec}' raised") from None
+    if not rows:
+        raise ConfigError(f"dataset '{spec}' has no rows")
+    cols = set(rows[0]) if isinstance(rows[0], dict) else set()   # reward functions get every column for every episode
     for i, r in enumerate(rows):
-        if set(r) != cols:
+        at = f"dataset '{spec}'" + (f", line {lines[i]}" if lines else "") + f": row {i}"
+        if not isinstance(r, dict) or "prompt" not in r:
+            raise ConfigError(f"{at} is {r!r:.80}, not an object with a 'prompt' column")
+        p = r["prompt"]
+        bad = [j for j, m in enumerate(p) if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                  and isinstance(m.get("content"), str))] if isinstance(p, list) else []
+        if not (p.strip() if isinstance(p, str) else isinstance(p, list) and p and not bad):
+            what = f"prompt message {bad[0]}: {p[bad[0]]!r:.80}" if bad else f"prompt {p!r:.80}"
+            raise ConfigError(f"{at} has {what}; a prompt must be a non-empty string or a non-empty list of "
+                              '{"role": str, "content": str} messages')
+        if set(r) != cols:   # a missing column must not reach a reward function as None
             missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
-            raise ConfigError(f"dataset '{spec}': row {i} " + (f"lacks column(s) {', '.join(missing)}" if missing else
+            raise ConfigError(f"{at} " + (f"lacks column(s) {', '.join(missing)}" if missing else
                               f"has column(s) {', '.join(extra)}") + " that row 0 does not; every row needs the same columns")
     return rows
 

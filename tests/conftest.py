@@ -61,6 +61,22 @@ def recipe_cfg(tmp_path, *overrides):
     return M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}/run", *overrides])
 
 
+def main_error(capsys, *argv):
+    """`mt_grpo_trainer.py ARGV`, run in this process, must exit 1 with one line on stderr (no traceback): that line."""
+    with pytest.raises(SystemExit) as stop:
+        M.main(list(argv))
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.startswith("mt-grpo: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def toy_error(capsys, tmp_path, *overrides):
+    """main_error for the toy recipe with `overrides`, where no model is built or found: were the error not raised,
+    the run would stop at the model, not train."""
+    return main_error(capsys, "hf_recipes/toy/toy-kv--mt-grpo.yaml", "model_builder=",
+                      f"model_name_or_path={tmp_path}/none", f"output_dir={tmp_path}/run", *overrides)
+
+
 @pytest.fixture(scope="session")
 def toy_model_dir():
     """The embedded default's model, built and warm-started as `bash run.sh` builds it (30-75 s on 2 cores). It is

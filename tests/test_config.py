@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import mt_grpo_trainer as M
+from conftest import main_error, toy_error
 
 
 def write(tmp_path, text):
@@ -75,6 +76,47 @@ def test_missing_plugin_file_and_function_are_named():
         M.load_object("rewards/nope.py:f", "reward")
     with pytest.raises(M.ConfigError, match="reward 'nope' not found in rewards/toy_kv_reward.py"):
         M.load_object("rewards/toy_kv_reward.py:nope", "reward")
+
+
+@pytest.mark.parametrize("recipe,override,needles", [
+    (b"max_steps: 3\nsystem_prompt: Answer: briefly\n", None,
+     ["r.yaml, line 2, column 22: not valid YAML: mapping values are not allowed here", "quote values"]),
+    (b"tools: [tools/kv_lookup.py:lookup\nseed: 1\n", None, ["r.yaml, line 2, column 5:", "from line 1, column 8"]),
+    (b"seed: 1\nsystem_prompt: caf\xe9\n", None,
+     ["r.yaml, position 26: not valid YAML: invalid continuation byte", "save it as UTF-8"]),
+    (b"seed: 1\n", "tools=[tools/kv_lookup.py:lookup",
+     ["the value of override 'tools=[tools/kv_lookup.py:lookup', line 1, column 27: not valid YAML"]),
+])
+def test_a_recipe_or_override_that_is_not_valid_yaml_is_one_line_naming_the_line(tmp_path, capsys, recipe, override,
+                                                                                   needles):
+    (tmp_path / "r.yaml").write_bytes(recipe)
+    err = main_error(capsys, str(tmp_path / "r.yaml"), *[override] * bool(override))
+    assert all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize("source,needles", [
+    ("X = 1\ndef f(:\n    pass\n",
+     ["tool file '{p}' failed on import: SyntaxError: invalid syntax (plugin.py, line 2); fix it"]),
+    ("import json\nimport no_such_module_for_mt_grpo\n",
+     ["ModuleNotFoundError: No module named 'no_such_module_for_mt_grpo' ({p}, line 2); install the missing package"]),
+    ("import json\ndef setup():\n    return json.loads('{{')\nTABLE = setup()\n",
+     ["failed on import: JSONDecodeError: Expecting property name", "({p}, line 3); fix it there"]),
+    ("import sys\nsys.exit('no config here')\n", ["SystemExit: no config here ({p}, line 2)"]),
+])
+def test_a_plugin_that_fails_on_import_is_one_line_naming_its_file_and_line(tmp_path, capsys, source, needles):
+    p = tmp_path / "plugin.py"
+    p.write_text(source)
+    err = toy_error(capsys, tmp_path, f"tools=[{p}:f]")
+    assert all(n.format(p=p) in err for n in needles), err
+    p.write_text("def f(key: str) -> str:\n    return key\n")     # fixed: the next load runs the file again
+    assert M.load_object(f"{p}:f", "tool")("k") == "k"
+
+
+def test_a_dataset_function_that_raises_is_one_line_naming_its_line(tmp_path, capsys):
+    (tmp_path / "data.py").write_text("def rows():\n    return [{'prompt': q} for q in open('/no/such/file')]\n")
+    err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/data.py:rows")
+    assert f"dataset function '{tmp_path}/data.py:rows' raised: FileNotFoundError:" in err, err
+    assert f"({tmp_path}/data.py, line 2); fix it there" in err, err
 
 
 def test_cli_reports_config_errors_without_a_traceback():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
-from conftest import ROOT, recipe_cfg
+from conftest import ROOT, recipe_cfg, toy_error
 from test_env import ScriptedSampler
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
@@ -102,6 +102,92 @@ def test_dataset_rows_must_share_their_columns(tmp_path):
     path.write_text('{"prompt": "a"}\n{"prompt": "b", "answer": "x"}\n')
     with pytest.raises(M.ConfigError, match=r"row 1 has column\(s\) answer that row 0 does not"):
         M.load_rows(str(path))
+
+
+@pytest.mark.parametrize("data,needle", [
+    (b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c",}\n',
+     "d.jsonl, line 4, column 16: not JSON (Expecting property name"),
+    (b'{"prompt": "a"}\n\n["b"]\n', "d.jsonl', line 3: row 1 is ['b'], not an object with a 'prompt'"),
+    (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+     "d.jsonl, line 2: byte 15 of the line is not UTF-8 (invalid continuation byte); save the file as UTF-8"),
+])
+def test_a_jsonl_dataset_that_does_not_parse_is_one_line_naming_the_files_line(tmp_path, capsys, data, needle):
+    (tmp_path / "d.jsonl").write_bytes(data)
+    err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/d.jsonl")
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    (5, "has prompt 5;"), ("  ", "has prompt '  ';"), ([], "has prompt [];"),
+    ({"role": "user", "content": "q"}, "has prompt {'role': 'user', 'content': 'q'};"),
+    ([{"role": "user", "content": "q"}, {"role": "user"}], "has prompt message 1: {'role': 'user'};"),
+    ([{"role": "user", "content": None}], "has prompt message 0: {'role': 'user', 'content': None};"),
+    (["q"], "has prompt message 0: 'q';")])
+def test_every_prompt_is_a_string_or_a_list_of_messages_checked_at_load(tmp_path, capsys, prompt, needle):
+    rows = [{"prompt": "fine"}, {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [{"prompt": prompt}]) + "\n")
+    err = toy_error(capsys, tmp_path, f"eval_dataset={tmp_path}/d.jsonl")
+    assert f"dataset '{tmp_path}/d.jsonl', line 3: row 2 {needle} a prompt must be a non-empty string" in err, err
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [{"answer": 1}]) + "\n")
+    err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/d.jsonl")
+    assert "line 3: row 2 is {'answer': 1}, not an object with a 'prompt' column" in err, err
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert M.load_rows(str(tmp_path / "d.jsonl")) == rows
+
+
+# --- tools and reward functions that could only fail later ---------------------------------------------
+
+PLUGINS = """
+async def lookup(key: str) -> str:
+    return key
+
+class Tool:
+    __name__ = "tool"
+    async def __call__(self, key: str) -> str:
+        return key
+
+tool = Tool()
+NOT_A_FUNCTION = "lookup"
+
+async def reward(completions, **kw):
+    return [1.0] * len(completions)
+
+def stream(completions, **kw):
+    yield 1.0
+"""
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("tools=[tools/kv_lookup.py:lookup, {p}:lookup]",
+     "tool '{p}:lookup' is an async def or a generator, not a function that returns its result; write it as a plain"),
+    ("tools=[{p}:tool]", "tool '{p}:tool' is an async def or a generator"),
+    ("tools=[{p}:NOT_A_FUNCTION]", "tool '{p}:NOT_A_FUNCTION' is a str, not a function"),
+    ("outcome_reward_funcs=[{p}:reward]", "reward function '{p}:reward' is an async def or a generator"),
+    ("turn_reward_funcs=[{p}:stream]", "reward function '{p}:stream' is an async def or a generator"),
+    ("tools=[tools/kv_lookup.py:lookup, {d}/other.py:lookup]",
+     "tools 'tools/kv_lookup.py:lookup' and '{d}/other.py:lookup' are both named 'lookup'; rename one"),
+])
+def test_tools_and_rewards_that_could_only_fail_later_fail_at_load(tmp_path, capsys, override, needle):
+    (tmp_path / "plugins.py").write_text(PLUGINS)
+    (tmp_path / "other.py").write_text("def lookup(key: str) -> str:\n    return 'other'\n")
+    fmt = dict(p=tmp_path / "plugins.py", d=tmp_path)
+    err = toy_error(capsys, tmp_path, override.format(**fmt))
+    assert needle.format(**fmt) in err, err
+
+
+# --- the model path ---------------------------------------------------------------------------------
+
+def test_a_model_that_cannot_be_loaded_is_one_line_saying_what_was_tried(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)   # no network: only the local cache
+    for path in ("./models/none-here", f"{tmp_path}/no/such/model"):
+        err = toy_error(capsys, tmp_path, f"model_name_or_path={path}")
+        assert f"model_name_or_path '{path}' does not exist (no such folder); set it to a model folder" in err, err
+    err = toy_error(capsys, tmp_path, "model_name_or_path=mt-grpo-tests/no-such-model")
+    assert "AutoTokenizer cannot load 'mt-grpo-tests/no-such-model' as a hub id (no such folder): We couldn" in err
+    (tmp_path / "empty").mkdir()
+    err = toy_error(capsys, tmp_path, f"model_name_or_path={tmp_path}/empty")
+    assert f"cannot load '{tmp_path}/empty' from that folder:" in err and "saved by save_pretrained" in err, err
 
 
 # --- 5, 6, 8. recipes ------------------------------------------------------------------------------
