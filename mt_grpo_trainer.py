@@ -65,6 +65,7 @@ import threading
 import time
 import traceback
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -286,7 +287,7 @@ class Sample:
     n_messages: int = 0                                       # messages of the episode this sample covers
     last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
     versions: list[int] = field(default_factory=list)         # policy version that sampled the token, -1 if not sampled
-    text: str = ""                                            # the held text: input_ids decoded, kept as they grow
+    text: str = ""                                            # the held text: dec(input_ids), kept as they grow
     prompt_chars: int = 0                                     # characters of `text` in the sampler's last prompt
     think_tokens: int = 0                                     # <think> tokens in that prompt
     episode_tokens: int = 0                                   # trained tokens of its episode's samples (0: its own)
@@ -661,6 +662,18 @@ class MultiTurnToolEnv:
     def pool(self) -> DaemonPool:   # made on the first tool call: an env that runs no tool starts no threads
         return DaemonPool(32)
 
+    @functools.cached_property
+    def one_call_per_turn(self) -> bool:
+        """Whether the chat template refuses an assistant message with several tool calls (Llama 3.1's raises)."""
+        from jinja2 import TemplateError
+        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        with contextlib.suppress(TemplateError):
+            self.tok.apply_chat_template([{"role": "user", "content": "."}, {"role": "assistant", "content": "",
+                                          "tool_calls": [call, call]}], tools=self.schemas, tokenize=False,
+                                         **self.cfg.chat_template_kwargs)
+            return False
+        return True
+
     def new_episode(self, row: dict) -> Episode:
         ep = new_episode(row, self.system_prompt)
         ep.messages = [{**m, "content": self.norm(m["content"])} if isinstance(m.get("content"), str) else m
@@ -672,13 +685,16 @@ class MultiTurnToolEnv:
         come back composed from its ids: the held text and a fresh rendering would differ (a false fork or mismatch)."""
         from tokenizers import normalizers as N
         n = getattr(getattr(self.tok, "backend_tokenizer", None), "normalizer", None)
-        return n.normalize_str(text) if isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) else text
+        if not isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) or unicodedata.is_normalized(type(n).__name__, text):
+            return text   # this quick check reads a long rendering 15x faster than the tokenizer's normalizer
+        return n.normalize_str(text)
 
     def enc(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
     def dec(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """The ids' text, normalised as the tokenizer reads text (as a re-encoding gives it); ids stay as sampled."""
+        return self.norm(self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
@@ -693,13 +709,13 @@ class MultiTurnToolEnv:
                 return {i for i in raw if i > last_query}
         return set()
 
-    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True, n_turns: int | None = None,
+    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True,
                keep: set[int] | None = None) -> str:
         """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
         rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
-        of turns before the last multiple of N, counted at the prompt of turn `n_turns` (default: the next turn)."""
+        of turns before the last multiple of N of the turns in `raw`."""
         n = self.cfg.thinking_compaction_turns
-        cut = (len(raw) if n_turns is None else n_turns) // n * n if n else 0
+        cut = len(raw) // n * n if n else 0
         compacted = set(sorted(raw)[:cut])
         msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
@@ -713,7 +729,7 @@ class MultiTurnToolEnv:
         for i, h in holes.items():
             assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
             text = text.replace(h, raw[i])
-        return text
+        return self.norm(text)   # sampled text and tool docstrings may hold what the tokenizer normalises
 
     def forced_prefix(self, messages, raw, prompt_text: str) -> str:
         """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
@@ -767,7 +783,8 @@ class MultiTurnToolEnv:
 
     def append(self, s: Sample, ids: list[int], **kw):
         """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
-        whole sample) where that gives the same text, checked on the tokens either side; else the whole is decoded."""
+        whole sample) where that gives the same text, checked on the tokens either side (a split character, a combining
+        mark NFC joins to the one before); else the whole is decoded."""
         dec, edge = self.dec, s.input_ids[-4:]
         s.text = s.text + dec(ids) if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
         s.append(ids, **kw)
@@ -793,7 +810,7 @@ class MultiTurnToolEnv:
             self.stubs = {**(self.stubs if len(self.stubs) < 256 else {}), key: (render(stub), render(stub, add_generation_prompt=True))}
         (base, gen), full = self.stubs[key], render(stub + new, add_generation_prompt=True)
         start = s.prompt_chars - (len(gen) - len(base))   # where the sampled turn's message begins in the held text
-        text = s.text[:start] + full[len(base):] if gen.startswith(base) and full.startswith(base) else None
+        text = s.text[:start] + self.norm(full[len(base):]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:
             self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
         return text if self.bridge_checks >= 0 else None
@@ -876,6 +893,9 @@ class MultiTurnToolEnv:
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.dec(keep)
         msg, calls = self.fmt.parse(text)
+        if len(msg.get("tool_calls", ())) > 1 and self.one_call_per_turn:   # the sampled text and one error result (I6)
+            msg, calls = {"role": "assistant", "content": text}, [ValueError(
+                f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran")]
         ep.raw[len(ep.messages)] = ep.forced + text
         ep.messages.append(msg)
         s.n_messages = len(ep.messages)
@@ -896,14 +916,15 @@ class MultiTurnToolEnv:
     def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
         active = eps = [self.new_episode(r) for r in rows]
+        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))   # a server's context may be less
         while active:
             prompts, budgets = [], []
             for ep in active:
                 mark = ep.mark()
                 prompts.append(self.next_prompt(ep))
-                budgets.append(min(self.cfg.max_tokens, self.cfg.max_seq_len - len(prompts[-1])))
+                budgets.append(min(self.cfg.max_tokens, room - len(prompts[-1])))
                 if budgets[-1] < 1:   # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
-                    ep.undo(mark)     # exceeds max_seq_len and every sampled token stays trained
+                    ep.undo(mark)     # exceeds the room and every sampled token stays trained
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
@@ -918,9 +939,9 @@ class MultiTurnToolEnv:
         return eps
 
     def check_tokenization(self, ep: Episode) -> int:
-        """I5: what each sample's sampler saw, up to the sample's last turn, must be a prefix of a fresh rendering of
-        the messages the sample covers (a last turn rendered differently makes the next turn fork instead). Returns
-        the number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
+        """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
+        generation prompt (a last turn rendered differently as history makes the next turn fork instead). Returns the
+        number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
         mode, found = self.cfg.tokenization_check, 0
         if mode == "off":
             return 0
@@ -929,18 +950,18 @@ class MultiTurnToolEnv:
                 raise TokenizationMismatch(f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append")
             if not s.n_messages:
                 continue
+            last = s.n_messages - 1   # the sample's last assistant message
             held = self.dec(s.input_ids[: s.last_prompt_len])
-            raw = {i: r for i, r in ep.raw.items() if i < s.n_messages}
-            fresh = self.render(ep.messages[: s.n_messages], raw, False, n_turns=len(raw) - 1)
-            if fresh.startswith(held):
+            fresh = self.render(ep.messages[:last], {i: r for i, r in ep.raw.items() if i < last})
+            if fresh == held:
                 continue
             found += 1
-            if mode == "ignore_strippable" and "".join(fresh.split()).startswith("".join(held.split())):
+            if mode == "ignore_strippable" and "".join(fresh.split()) == "".join(held.split()):
                 continue
             at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
             raise TokenizationMismatch(
-                f"sample {k} of an episode differs from a fresh rendering of its {s.n_messages} messages "
-                f"(thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
+                f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
+                f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
                 f"  trained : ...{held[max(0, at - 80):at + 80]!r}\n  template: ...{fresh[max(0, at - 80):at + 80]!r}\n"
                 "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
                 "tokenization_check: ignore_strippable (whitespace-only differences) or off.")
@@ -1385,6 +1406,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if cfg.vllm_server_url:
         run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop)
         run.say(f"[mt-grpo] sampling from {run.sampler.url} ({run.sampler.model}, max_model_len {run.sampler.max_model_len})")
+        if run.sampler.max_model_len < cfg.max_seq_len:
+            run.say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
         prompt = run.env.render(run.env.new_episode(run.rows[0]).messages, {})
         run.probe_ids = run.tokenizer.encode(prompt, add_special_tokens=False)[:64]   # the sync check's fixed sequence
         run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)

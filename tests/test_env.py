@@ -88,11 +88,12 @@ def test_template_that_rewrites_history_forks_a_new_sample(tok, tmp_path):
         env.cfg.tokenization_check = "off"
         sampler = ScriptedSampler(tok, script)
         [ep] = M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout([{"prompt": "q"}], sampler)
-        # This template also re-renders sample 0's own messages differently once they are not the
-        # latest: the tokenization check reports exactly that, with a readable diff.
+        # Every prompt was the template's rendering at its turn, so the rewrite is a fork, not a mismatch: the
+        # tokenization check passes under strict.
         env.cfg.tokenization_check = "strict"
-        with pytest.raises(M.TokenizationMismatch, match=r"sample 0 .* differs from a fresh rendering(.|\n)*trained : (.|\n)*template:"):
-            M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout([{"prompt": "q"}], ScriptedSampler(tok, script))
+        [strict] = M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout([{"prompt": "q"}],
+                                                                                 ScriptedSampler(tok, script))
+        assert strict.tokenization_mismatches == 0 and strict.forks == 1
     finally:
         tok.chat_template = old
     # turn 0 -> turn 1: the last assistant message keeps its reasoning, so the sample extends;

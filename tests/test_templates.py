@@ -208,25 +208,43 @@ def test_native_tool_schema_from_signature_and_docstring(qwen3):
 
 
 def test_tokenization_check_modes(tok, tmp_path):
-    """A template that renders a user message with a trailing space once an assistant reply follows it
-    rewrites what the sampler saw (whitespace only): counted and let through under ignore_strippable,
-    an error with a diff under strict, not looked at under off."""
+    """A template that shows a value which changed after the sampler's prompt (as one that prints today's date does
+    across midnight): the episode-end rendering differs from what the sampler saw. Whitespace only: counted and let
+    through under ignore_strippable, an error with a diff under strict, not looked at under off; other text: an
+    error under ignore_strippable too."""
     from conftest import recipe_cfg
     old = tok.chat_template
     tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-                         "{% if m['role'] == 'user' and not loop.last %} {% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+                         "{{ (pad | default('')) + '<|im_end|>\\n' }}{% endfor %}"
                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
     try:
-        for mode, found in (("ignore_strippable", 1), ("off", 0), ("strict", None)):
-            env = M.MultiTurnToolEnv(tok, [], recipe_cfg(tmp_path, f"tokenization_check={mode}"))
+        env = M.MultiTurnToolEnv(tok, [], recipe_cfg(tmp_path, "tokenization_check=strict"))
+        [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
+        assert ep.tokenization_mismatches == 0
+        for pad, mode, found in ((" ", "ignore_strippable", 1), (" ", "off", 0), ("x", "off", 0), (" ", "strict", None),
+                                 ("x", "ignore_strippable", None)):
+            env.cfg.chat_template_kwargs, env.cfg.tokenization_check = {"pad": pad}, mode
             if found is None:
                 with pytest.raises(M.TokenizationMismatch, match="differs from a fresh rendering(.|\\n)*trained :(.|\\n)*template:"):
-                    env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
+                    env.check_tokenization(ep)
             else:
-                [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
-                assert ep.tokenization_mismatches == found
+                assert env.check_tokenization(ep) == found
     finally:
         tok.chat_template = old
+
+
+@pytest.mark.parametrize("retention", ["template", "tool_cycle", "all"])
+def test_qwen3_without_thinking_and_a_sampled_think_end_in_the_last_turn_pass_the_check(qwen3, retention):
+    """With enable_thinking: false the generation prompt forces an empty <think></think>. A last turn that samples its
+    own "</think>" renders as history with that text as its thinking, but the sampler saw exactly the template's
+    generation prompt: the check compares with that rendering, so it passes under strict."""
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    call = '<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
+    env = native_env(qwen3, thinking_retention=retention, chat_template_kwargs={"enable_thinking": False})
+    sampler = Turns(qwen3, [enc(call), enc("hmm</think>\n\nDone.")])
+    [ep] = env.rollout([{"prompt": "q"}], sampler)
+    assert ep.end_reason == "answer" and ep.tokenization_mismatches == 0
+    assert qwen3.decode(sampler.prompts[-1]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_check_template_cli_json():
@@ -317,43 +335,80 @@ def test_a_held_text_that_is_not_the_ids_is_caught_by_the_episode_end_check(qwen
         env.check_tokenization(ep)
 
 
-def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3):
-    """The next prompt REALIGNs (the sampled end marker becomes context) but leaves no room to sample: the episode
-    ends 'context' and its sample is exactly the first turn as sampled, every sampled token still trained (I1, I2)."""
+@pytest.mark.parametrize("limit", ["max_seq_len", "server"])
+def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3, tmp_path, limit):
+    """The next prompt REALIGNs (the sampled end marker becomes context) but leaves no room to sample, under max_seq_len
+    or under a vLLM server's smaller max_model_len (the stand-in's, through the real client): the episode ends
+    'context' and its sample is exactly the first turn as sampled, every sampled token still trained (I1, I2)."""
+    from tests.vllm_standin import StandinServer
     enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
     other_eos = qwen3.convert_tokens_to_ids("<|endoftext|>")
     call = enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>')
     roomy = native_env(qwen3).rollout([{"prompt": "q"}], Turns(qwen3, [call + [other_eos], enc("Done.") + [other_eos]]))[0]
     assert roomy.realigns == 1, "the setting below must REALIGN at the boundary"
     first_prompt = len(roomy.turns[0].ids) + roomy.turns[0].prompt_len   # the sample after turn 0
-    sampler = Turns(qwen3, [call + [other_eos]])
-    [ep] = native_env(qwen3, max_seq_len=roomy.turns[1].prompt_len).rollout([{"prompt": "q"}], sampler)
+    sent, room = call + [other_eos], roomy.turns[1].prompt_len
+    if limit == "max_seq_len":
+        [ep] = native_env(qwen3, max_seq_len=room).rollout([{"prompt": "q"}], Turns(qwen3, [sent]))
+    else:
+        with StandinServer(backend=lambda p, r: (sent, [-0.5] * len(sent), "stop"), vocab_size=len(qwen3),
+                           max_model_len=room) as srv:
+            cfg = M.load_config(None, [f"vllm_server_url={srv.url}", f"output_dir={tmp_path}/run"])
+            client = M.VLLMServerClient(cfg, len(qwen3))
+            [ep] = native_env(qwen3, max_seq_len=4 * room).rollout([{"prompt": "q"}], client)
+            assert len([r for r in srv.requests if r["path"] == "/v1/completions"]) == 1
     assert ep.end_reason == "context" and len(ep.turns) == 1 and len(ep.samples) == 1
     s = ep.samples[0]
-    assert len(s.input_ids) == first_prompt and s.input_ids[s.last_prompt_len:] == sampler.sent[0]
-    assert s.loss_mask[s.last_prompt_len:] == [1] * len(sampler.sent[0]) and s.text == qwen3.decode(s.input_ids)
+    assert len(s.input_ids) == first_prompt < room and s.input_ids[s.last_prompt_len:] == sent
+    assert s.loss_mask[s.last_prompt_len:] == [1] * len(sent) and s.text == qwen3.decode(s.input_ids)
     assert ep.realigns == ep.realigned_tokens == 0 and ep.tokenization_mismatches == 0
 
 
-def test_decomposed_unicode_from_a_tool_or_a_prompt_is_read_as_the_tokenizer_reads_it(qwen3):
-    """Qwen's tokenizer NFC-normalises: a tool result or prompt with a decomposed character ("n" + U+0303, as some
-    Wikipedia passages have) must not make a fork, a mismatch that stops the run, or switch the bridge off."""
+def test_decomposed_unicode_from_a_tool_a_docstring_or_a_prompt_is_read_as_the_tokenizer_reads_it(qwen3):
+    """Qwen's tokenizer NFC-normalises: a tool result, a native tool's docstring (its schema is in the template) or a
+    prompt with a decomposed character ("n" + U+0303, as some Wikipedia passages have) must not make a fork, a
+    mismatch that stops the run, or switch the bridge off."""
     nfd = "La Can\u0303ada Flintridge is a city in Los Angeles County."
 
     def search(query: str) -> str:
-        """Search."""
+        """Search the archive of La Can\u0303ada."""
         return nfd
 
     enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
     call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n</tool_call>'
     env = M.MultiTurnToolEnv(qwen3, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=2,
                                                         tokenization_check="strict"))
-    [ep] = env.rollout([{"prompt": "Where is La Can\u0303ada?"}],
-                       Turns(qwen3, [enc(call), enc(call), enc("<think>\ny\n</think>\n\nIn California.")]))
+    sampler = Turns(qwen3, [enc(call), enc(call), enc("<think>\ny\n</think>\n\nIn California.")])
+    [ep] = env.rollout([{"prompt": "Where is La Can\u0303ada?"}], sampler)
+    assert "archive of La Ca\u00f1ada" in qwen3.decode(sampler.prompts[0])
     assert ep.end_reason == "answer" and ep.tool_calls == 2 and ep.tokenization_mismatches == 0
     assert len(ep.samples) == 1 and ep.forks == 0 and all(b["extends"] for b in ep.boundaries)
     assert env.bridge_checks == 2, "the bridge stays on"
     assert "Ca\u00f1ada" in ep.messages[0]["content"] and ep.messages[2]["content"] == nfd.replace("n\u0303", "\u00f1")
+
+
+def test_decomposed_unicode_sampled_by_the_policy_then_a_fork_neither_stops_the_run_nor_forks_again(qwen3):
+    """The policy samples a decomposed character ("n" then U+0303, two tokens), then a call the template re-renders
+    (keys in another order): the sample forks, and the new one holds that turn re-encoded, i.e. composed (NFC). Text
+    is held and compared as the tokenizer reads it, so later boundaries extend and the check passes; ids stay as
+    sampled."""
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
+    eos = [qwen3.eos_token_id]
+    nfd = enc("<think>\nLa Can") + enc("\u0303") + enc("ada\n</think>\n\n")
+    odd = enc('<tool_call>\n{"arguments": {"query": "x"}, "name": "_sim_search"}\n</tool_call>')
+    call = enc('<tool_call>\n{"name": "_sim_search", "arguments": {"query": "y"}}\n</tool_call>')
+    for mode in ("strict", "ignore_strippable"):
+        sampler = Turns(qwen3, [nfd + odd + eos, call + eos, call + eos, enc("Done.") + eos])
+        [ep] = native_env(qwen3, tokenization_check=mode).rollout([{"prompt": "q"}], sampler)
+        assert ep.end_reason == "answer" and ep.tokenization_mismatches == 0
+        assert ep.forks == 1 and [b["extends"] for b in ep.boundaries] == [False, True, True]
+        trained = [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m]
+        assert trained == sum(sampler.sent, []) and enc("\u0303")[0] in trained
+        assert "Ca\u00f1ada" in ep.messages[1]["content"], "the conversation holds the sampled text composed"
+    s, env = M.Sample(), native_env(qwen3)   # a combining mark at the start of appended ids joins the character before
+    env.append(s, enc("n"), mask=0)
+    env.append(s, enc("\u0303"), mask=0)
+    assert s.text == "\u00f1" == env.dec(s.input_ids) and qwen3.decode(s.input_ids) == "n\u0303"
 
 
 def test_max_env_steps_counts_every_call_of_a_turn(qwen3):
@@ -364,3 +419,29 @@ def test_max_env_steps_counts_every_call_of_a_turn(qwen3):
         [ep] = native_env(qwen3, max_env_steps=limit).rollout([{"prompt": "q"}], Turns(qwen3, [enc(three), enc("Done.")]))
         assert ep.tool_calls == runs and sum(m["role"] == "tool" for m in ep.messages) == runs
         assert ep.end_reason == ("max_env_steps" if runs == 0 else "answer")
+
+
+def test_two_native_calls_in_one_turn_under_a_one_call_template_are_one_counted_error(qwen3):
+    """Llama 3.1's template raises on an assistant message with two tool calls: that turn stays its sampled text and
+    gets one error result the model sees (counted), and neither call runs. Qwen3's template takes both, and both run."""
+    ran = []
+
+    def search(query: str) -> str:
+        """Search."""
+        ran.append(query)
+        return "found"
+
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    two = "\n".join(f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{q}"}}}}\n</tool_call>' for q in "ab")
+    for name, runs in (("llama3_1", []), ("qwen3", ["a", "b"])):
+        ran.clear()
+        env = M.MultiTurnToolEnv(with_template(qwen3, name), [search], M.Config(
+            system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict"))
+        [ep] = env.rollout([{"prompt": "q"}], Turns(qwen3, [enc(two), enc("Done.")]))
+        assert ep.end_reason == "answer" and ep.tokenization_mismatches == 0 and ran == runs
+        if not runs:
+            assert ep.tool_calls == ep.tool_errors == 1 and ep.messages[-3] == {"role": "assistant", "content": two}
+            assert ep.messages[-2] == {"role": "tool", "content": "Error: ValueError: this chat template takes one "
+                                       "tool call per turn; this turn made 2, and none of them ran"}
+        else:
+            assert ep.tool_calls == 2 and ep.tool_errors == 0

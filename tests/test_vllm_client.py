@@ -218,10 +218,13 @@ def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     server.faults.set_latency(0)
 
 
-def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(server, tiny_model_dir, tmp_path):
+def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(server, tiny_model_dir, tmp_path,
+                                                                                          capsys):
     common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={server.url}",
-              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=12", "save_steps=1"]
+              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=12", "save_steps=1",
+              "max_seq_len=600"]
     M.train(recipe_cfg(tmp_path, *common, "max_steps=2"))
+    assert "the server's max_model_len is below max_seq_len 600: it bounds episodes" in capsys.readouterr().out
     assert server.reloads == 3, "once before step 1 (the server may hold other weights), then after each step"
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(m["time/weight_sync"] > 0 for m in lines)
