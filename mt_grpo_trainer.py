@@ -2061,11 +2061,10 @@ def checkpoint_problem(path: str) -> str:
             have = os.path.getsize(os.path.join(path, name)) if name in files else None
             if have != size:
                 return f"{name} is missing" if have is None else f"{name} has {have} bytes, not the {size} saved"
-        for name in [f for f in sorted(files) if f.endswith(".safetensors")] + ["trainer_state.pt"]:
-            if name.endswith(".pt"):
-                torch.load(os.path.join(path, name), mmap=True, weights_only=False)
-            else:
-                safe_open(os.path.join(path, name), "pt")
+        for name in sorted(f for f in files if f.endswith(".safetensors")):
+            safe_open(os.path.join(path, name), "pt")
+        name = "trainer_state.pt"
+        torch.load(os.path.join(path, name), mmap=True, weights_only=False)   # mmap: the tensors are not read
     except Exception as e:
         return f"{name} does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return ""
@@ -2107,7 +2106,6 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
         g.update(initial_lr=cfg.learning_rate, lr=cfg.learning_rate * f(scheduler.last_epoch),
                  weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
     if world == 1:   # rank 0's streams; with several ranks each keeps its own seed
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
