@@ -243,7 +243,7 @@ class Config:
     save_steps: Annotated[int, ">= 0"] = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume_from_checkpoint: str = ""
-    """'' (fresh run) | auto (latest checkpoint in output_dir, if any) | PATH to a checkpoint folder."""
+    """'' (fresh run) | auto (the newest checkpoint in output_dir that verifies, if any) | PATH to a checkpoint folder."""
 
 
 def choices() -> dict[str, tuple]:
@@ -1385,7 +1385,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     np.random.seed((cfg.seed + run.rank) % 2**32)
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
-    ckpt = find_checkpoint(cfg)
+    ckpt = find_checkpoint(cfg, run.say)
     if run.main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
@@ -2076,29 +2076,86 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                "config": dataclasses.asdict(cfg),
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
                os.path.join(tmp, "trainer_state.pt"))
+    sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:   # what resume verifies: every file, at its size
+        json.dump(sizes, f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
 
 
-def find_checkpoint(cfg: Config) -> str | None:
-    if cfg.resume_from_checkpoint in ("", None):
+def find_checkpoint(cfg: Config, say=print) -> str | None:
+    """resume_from_checkpoint: PATH, which must verify, or auto: the newest checkpoint of output_dir that verifies
+    (saying which it skipped and why). It must have been saved in the recipe's mode (LoRA or full fine-tuning)."""
+    auto = cfg.resume_from_checkpoint == "auto"
+    if not cfg.resume_from_checkpoint or auto and not os.path.isdir(cfg.output_dir):
         return None
-    if cfg.resume_from_checkpoint != "auto":
-        if not os.path.isfile(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt")):
-            raise ConfigError(f"resume_from_checkpoint: no checkpoint at '{cfg.resume_from_checkpoint}' "
-                              "(expected a folder with trainer_state.pt)")
-        return cfg.resume_from_checkpoint
-    found = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)] if os.path.isdir(cfg.output_dir) else []
-    found = [d for d in found if os.path.isfile(os.path.join(cfg.output_dir, d, "trainer_state.pt"))]
-    return os.path.join(cfg.output_dir, max(found, key=lambda d: int(d.split("-")[1]))) if found else None
+    found = [cfg.resume_from_checkpoint]
+    if auto:
+        found = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
+        found = [os.path.join(cfg.output_dir, d) for d in sorted(found, key=lambda d: -int(d[11:]))]   # newest first
+    skipped = []
+    for path in found:
+        problem = checkpoint_problem(path)
+        if not problem:
+            return checked_mode(cfg, path)
+        if not auto:
+            raise ConfigError(f"resume_from_checkpoint: no checkpoint at '{path}' to resume: {problem}. Choose another "
+                              "checkpoint, or resume_from_checkpoint=auto (the newest one in output_dir that verifies)")
+        say(f"[mt-grpo] skipping {path}: {problem}")
+        skipped.append(f"{os.path.basename(path)}: {problem}")
+    if skipped:
+        raise ConfigError(f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
+                          f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''")
+    return None
+
+
+def checkpoint_problem(path: str) -> str:
+    """What makes a checkpoint unusable ('' if nothing): a file missing or of another size than its manifest lists
+    (checkpoints saved before the manifest have none), or weights or a trainer state that do not open."""
+    from safetensors import safe_open
+    files = os.listdir(path) if os.path.isdir(path) else []
+    if "trainer_state.pt" not in files:
+        return "no trainer_state.pt (expected a checkpoint-N folder)"
+    name, sizes = "manifest.json", {}
+    try:
+        if name in files:
+            with open(os.path.join(path, name)) as f:
+                sizes = json.load(f)
+        for name, size in sizes.items():
+            have = os.path.getsize(os.path.join(path, name)) if name in files else None
+            if have != size:
+                return f"{name} is missing" if have is None else f"{name} has {have} bytes, not the {size} saved"
+        for name in sorted(f for f in files if f.endswith(".safetensors")):
+            safe_open(os.path.join(path, name), "pt")
+        name = "trainer_state.pt"
+        torch.load(os.path.join(path, name), mmap=True, weights_only=False)   # mmap: the tensors are not read
+    except Exception as e:
+        return f"{name} does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    return ""
+
+
+def checked_mode(cfg: Config, path: str) -> str:
+    """`path`, if it was saved in the recipe's mode: LoRA (it holds adapter_config.json) with these keys, or full."""
+    saved = {"lora_rank": 0}
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            a = json.load(f)
+        saved = {"lora_rank": a["r"], "lora_alpha": a["lora_alpha"], "lora_dropout": a["lora_dropout"]}
+    if any(getattr(cfg, k) != v for k, v in saved.items()):
+        how = "with LoRA" if saved["lora_rank"] else "by full fine-tuning"
+        raise ConfigError(f"resume_from_checkpoint: {path} was saved {how}: set "
+                          f"{', '.join(f'{k}={v}' for k, v in saved.items())} to resume it")
+    return path
 
 
 def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, main: bool) -> int:
-    """Optimizer, scheduler, RNG state (the model came from `ckpt`); drops logs of steps to redo; returns the step."""
+    """Optimizer, scheduler, RNG state (the model came from `ckpt`); the recipe's learning rate, schedule and AdamW
+    settings, where they changed; drops logs of steps to redo; returns the step."""
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     if cfg.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -2106,6 +2163,18 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
+    # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
+    g = optimizer.param_groups[0]
+    old = {"learning_rate": g["initial_lr"], "weight_decay": g["weight_decay"], "adam_betas": list(g["betas"]),
+           **state.get("config", {})}
+    keys = ("learning_rate", "lr_scheduler", "warmup_steps", "max_steps", "num_iterations", "weight_decay",
+            "adam_betas")
+    changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
+    scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
+    for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        g.update(initial_lr=cfg.learning_rate, lr=cfg.learning_rate * f(scheduler.last_epoch),
+                 weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
     if world == 1:   # rank 0's streams; with several ranks each keeps its own seed
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -2113,13 +2182,19 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if main:
+        if changed:
+            print(f"[mt-grpo] the recipe changes {', '.join(changed)} from {ckpt}'s run: applied from step "
+                  f"{state['step'] + 1}")
         for name in ("metrics.jsonl", "episodes.jsonl"):
             path = os.path.join(cfg.output_dir, name)
             if os.path.isfile(path):
                 with open(path) as f:
-                    keep = [line for line in f if json.loads(line)["step"] <= state["step"]]
+                    lines = f.readlines()
+                if lines and not lines[-1].endswith("\n"):   # a crash mid-write
+                    print(f"[mt-grpo] {name} ends in a torn line (a crash while it was written): dropped it")
+                    lines.pop()
                 with open(path, "w") as f:
-                    f.writelines(keep)
+                    f.writelines(line for line in lines if json.loads(line)["step"] <= state["step"])
     return state["step"]
 
 

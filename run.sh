@@ -130,10 +130,11 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   # DEV_MODE: /pause, /resume, /collective_rpc for weight sync. processed_logprobs: logprobs after
   # temperature and top_p, the distribution the trainer scores. generation-config vllm: no hidden
   # sampling defaults from the model's generation_config.json.
-  env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
+  # setsid: the server and the processes it starts (EngineCore, workers) form one process group, stopped as one
+  setsid env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm ${extra[@]+"${extra[@]}"} >"$LOG" 2>&1 &
   VLLM_PID=$!
-  trap 'kill $VLLM_PID 2>/dev/null; wait $VLLM_PID 2>/dev/null || true' EXIT
+  trap stop_server EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
   CFG_vllm_server_url=http://127.0.0.1:$PORT
@@ -153,6 +154,13 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   echo "[run.sh] vLLM is healthy at $CFG_vllm_server_url after $(( $(date +%s) - t0 )) s"
   ARGS+=("vllm_server_url=$CFG_vllm_server_url")
   export MTGRPO_VLLM_LOG=$LOG   # a trainer that finds the server dead shows the log's last lines
+}
+
+stop_server() {   # the server's whole process group, also when its main process died alone: TERM, 20 s, then KILL
+  kill -TERM -- -"$VLLM_PID" 2>/dev/null || return 0
+  local i; for i in $(seq 40); do kill -0 -- -"$VLLM_PID" 2>/dev/null || return 0; sleep 0.5; done
+  echo "[run.sh] the vLLM server did not stop within 20 s of SIGTERM: killing it" >&2
+  kill -KILL -- -"$VLLM_PID" 2>/dev/null || true
 }
 
 check_shared_gpu() {   # vllm_gpus and train_gpus name the same GPU: do vLLM's share and training's weights fit on it?
@@ -205,12 +213,14 @@ if [ "${MODE[*]:-}" = serve ]; then
   wait $VLLM_PID; exit $?
 fi
 echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
-# In the background, so a SIGTERM or Ctrl-C to run.sh reaches torchrun (and through it every rank, which
-# saves a checkpoint); the EXIT trap then stops the server, however training ends.
-env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+# A SIGTERM or Ctrl-C to run.sh goes to the ranks (torchrun's children), which finish the step, save a checkpoint
+# and exit 0, and torchrun then exits 0. torchrun itself never gets it (setsid: not from the terminal either): a
+# signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the server.
+setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
   mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!
-trap 'kill -TERM $TRAIN_PID 2>/dev/null' INT TERM
+trap 'pkill -TERM -P $TRAIN_PID || kill -TERM $TRAIN_PID' TERM   # (no rank yet: torchrun itself)
+trap 'pkill -INT -P $TRAIN_PID || kill -INT $TRAIN_PID' INT
 status=0
 while true; do
   wait $TRAIN_PID && status=0 || status=$?

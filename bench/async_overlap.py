@@ -15,6 +15,7 @@
   and the extra prompts drawn.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -55,35 +56,44 @@ def reached(h, threshold=0.8):
     return next((i + 1 for i in range(9, len(o)) if np.mean(o[i - 9:i + 1]) >= threshold), None)
 
 
-def serve(cmd, url, timeout, env=None):
+@contextlib.contextmanager
+def served(cmd, url, timeout, env=None):
+    """A server (`bash run.sh serve`, the stand-in) in a session of its own, healthy within `timeout` s, for the
+    block. However the block ends its whole process group is stopped (SIGTERM, then SIGKILL after 30 s): a SIGTERM
+    to the bench (`timeout` sends one) becomes SystemExit, so this runs then too."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                          env={**os.environ, **(env or {})})
-    end = time.time() + timeout
-    while time.time() < end and p.poll() is None:
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return p
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    os.killpg(p.pid, signal.SIGKILL)
-    sys.exit(f"the server ({' '.join(cmd[:4])} ...) was not healthy within {timeout} s")
-
-
-def stop(p):
-    os.killpg(p.pid, signal.SIGTERM)
     try:
-        p.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        end = time.time() + timeout
+        while not healthy(url):
+            if time.time() > end or p.poll() is not None:
+                sys.exit(f"the server ({' '.join(cmd[:4])} ...) was not healthy within {timeout} s")
+            time.sleep(1)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def healthy(url):
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def standin(model, latency, core=None):
+    """The stand-in server (pinned to `core`), to use in a `with` block, and its URL."""
     port = M.free_port()
     url = f"http://127.0.0.1:{port}"
     prefix, threads = pinned(core)
-    return serve([*prefix, sys.executable, "tests/vllm_standin.py", "--model", model, "--port", str(port), "--max-model-len",
-                  "1024", "--latency", str(latency)], url, 120, threads), url
+    return served([*prefix, sys.executable, "tests/vllm_standin.py", "--model", model, "--port", str(port), "--max-model-len",
+                   "1024", "--latency", str(latency)], url, 120, threads), url
 
 
 def speed(a, model, split):
@@ -93,11 +103,9 @@ def speed(a, model, split):
     # calibration: rollout time at two latencies gives the sequential request rounds per step; the update is the rest
     cal = {}
     for lat in (0.0, 0.2):
-        p, url = standin(model, lat, cores[0])
-        try:
+        server, url = standin(model, lat, cores[0])
+        with server:
             cal[lat], _ = train(os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1])
-        finally:
-            stop(p)
     mean = lambda h, k: float(np.mean([m[k] for m in h[1:]]))
     rounds = (mean(cal[0.2], "time/rollout") - mean(cal[0.0], "time/rollout")) / 0.2
     update = mean(cal[0.0], "time/train") + mean(cal[0.0], "time/weight_sync")
@@ -105,14 +113,12 @@ def speed(a, model, split):
     print(f"calibration: update {update:.2f} s, rollout {mean(cal[0.0], 'time/rollout'):.2f} s at no latency, "
           f"{rounds:.1f} request rounds per step -> latency {latency:.3f} s per request", flush=True)
     rows = {}
-    p, url = standin(model, latency, cores[0])
-    try:
+    server, url = standin(model, latency, cores[0])
+    with server:
         for k in (0, 1, 2):
             h, wall = train(os.path.join(runs, f"k{k}"), f"max_steps={a.steps}", f"max_staleness={k}",
                             f"seed={a.seeds[0]}", server=url, core=cores[1])
             rows[k] = h, wall
-    finally:
-        stop(p)
     how = "split: the stand-in on one core, the trainer on the other" if split else "shared: both on every core"
     print(f"\nspeed, {how}; {latency:.3f} s per request, {a.steps} steps (per-step means, s)\n")
     print("| max_staleness | steps/s | rollout | wait_rollout | train | weight_sync | staleness mean | outcome last 10 | wall (s) |")
@@ -133,18 +139,15 @@ def learning(a, model):
     url = f"http://127.0.0.1:{port}"
     env_cmd = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}", f"MTGRPO_VLLM_VENV={venv}"]
     t = time.time()
-    p = serve([*env_cmd, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}"], url, 1200)
-    print(f"learning: vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
     rows = []
-    try:
+    with served([*env_cmd, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}"], url, 1200):
+        print(f"learning: vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
         for seed in a.seeds:
             for k in (0, 1):
                 h, wall = train(os.path.join(a.out, "learning", f"s{seed}k{k}"), f"max_steps={a.steps}",
                                 f"max_staleness={k}", f"seed={seed}", server=url)
                 rows.append((seed, k, h, wall))
                 print(f"  seed {seed} max_staleness {k}: reached {reached(h)}, {wall:.0f} s", flush=True)
-    finally:
-        stop(p)
     print(f"\nlearning: real vLLM CPU build, {a.steps} steps; trailing-10 outcome >= 0.8 at step (wall s)\n")
     print("| max_staleness | " + " | ".join(f"seed {s}" for s in a.seeds) + " | mean step time (s) | mean wait_rollout (s) |")
     print("|---|" + "---|" * (len(a.seeds) + 2))

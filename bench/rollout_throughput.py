@@ -15,15 +15,13 @@ Server and client share this machine's cores, so the overhead includes the stand
 import argparse
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 
-import requests
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mt_grpo_trainer as M  # noqa: E402
+from bench.async_overlap import served  # noqa: E402
 from tests.conftest import toy_tokenizer  # noqa: E402
 from tests.vllm_standin import StandinServer  # noqa: E402
 from tools.kv_lookup import lookup  # noqa: E402
@@ -70,15 +68,9 @@ def main():
         return serve(args.serve_port, args.latency)
     tok = toy_tokenizer()
     port = M.free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve-port", str(port), "--latency", str(args.latency)])
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if requests.get(url + "/health", timeout=1).ok:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.1)
+    # its own process group, stopped however the bench ends (a SIGTERM too)
+    with served([sys.executable, os.path.abspath(__file__), "--serve-port", str(port), "--latency", str(args.latency)], url, 60):
         rows = [{"prompt": f'What is the value of "k{i}"?', "key": "alpha", "answer": "x"}
                 for i in range(args.episodes // args.group) for _ in range(args.group)]
         with tempfile.TemporaryDirectory() as tmp:
@@ -96,8 +88,6 @@ def main():
                 assert all(len(e.turns) == 3 and e.end_reason == "answer" for e in done), "every episode: tool, tool, answer"
                 print(f"{name:>10}: {len(done)} episodes, {timings[name]:.2f} s"
                       f"{' (scaled to %d episodes)' % len(rows) if len(eps) < len(rows) else ''}")
-    finally:
-        server.kill()
     ideal = 3 * args.latency
     print(f"\n{args.episodes} episodes x 3 turns, {args.latency:.1f} s per request, {os.cpu_count()} CPU cores")
     print(f"| client | time (s) | speedup over sequential | overhead vs ideal ({ideal:.1f} s) |\n|---|---|---|---|")

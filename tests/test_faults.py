@@ -138,3 +138,85 @@ def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_
     assert [h["step"] for h in hist] == [last + 1]
     steps = [__import__("json").loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, last + 2)), "steps logged after the checkpoint are dropped, then redone once"
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tiny_model_dir, tmp_path_factory):
+    """A 3-step run that saved after every step and dumped every step's episodes, copied fresh by each test."""
+    base = tmp_path_factory.mktemp("three")
+    M.train(recipe_cfg(base, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=3", "save_steps=1",
+                       "prompts_per_step=2", "num_generations=2", "max_tokens=8", "log_episodes_steps=1"))
+    return base / "run"
+
+
+def copied_run(three_checkpoints, tmp_path):
+    import shutil
+    shutil.copytree(three_checkpoints, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def resume_cfg(tmp_path, tiny_model_dir, ckpt="auto", *extra):
+    return recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "prompts_per_step=2",
+                      "num_generations=2", "max_tokens=8", "log_episodes_steps=1", f"resume_from_checkpoint={ckpt}", *extra)
+
+
+def cut(path, n=100):
+    os.truncate(path, os.path.getsize(path) - n)
+
+
+def test_auto_resume_falls_back_past_a_truncated_or_incomplete_checkpoint_and_says_why(three_checkpoints, tmp_path,
+                                                                                      tiny_model_dir, capsys):
+    run = copied_run(three_checkpoints, tmp_path)
+    cut(run / "checkpoint-3" / "model.safetensors")            # corrupt weights
+    cut(run / "checkpoint-2" / "trainer_state.pt")             # a truncated trainer state
+    assert M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir)) == str(run / "checkpoint-1")
+    out = capsys.readouterr().out
+    assert f"skipping {run}/checkpoint-3: model.safetensors" in out and f"skipping {run}/checkpoint-2: trainer_state.pt" in out
+    hist = M.train(resume_cfg(tmp_path, tiny_model_dir, "auto", "max_steps=2"))
+    assert [h["step"] for h in hist] == [2] and "resumed from" in capsys.readouterr().out
+    (run / "checkpoint-1" / "tokenizer.json").unlink()         # a missing file: now none is usable
+    (run / "checkpoint-2" / "tokenizer.json").unlink()
+    with pytest.raises(M.ConfigError, match=r"no checkpoint in .* can be resumed.*checkpoint-2: tokenizer.json is missing"):
+        M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir))
+
+
+def test_resuming_a_named_checkpoint_that_fails_verification_is_one_line_naming_the_file(three_checkpoints, tmp_path,
+                                                                                       tiny_model_dir):
+    run = copied_run(three_checkpoints, tmp_path)
+    cut(run / "checkpoint-3" / "model.safetensors")
+    (run / "checkpoint-2" / "tokenizer.json").unlink()
+    for ckpt, what in ((3, "model.safetensors has"), (2, "tokenizer.json is missing")):
+        with pytest.raises(M.ConfigError, match=f"checkpoint-{ckpt}.*{what}") as e:
+            M.train(resume_cfg(tmp_path, tiny_model_dir, run / f"checkpoint-{ckpt}", "max_steps=4"))
+        assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_without_a_manifest_still_resumes_and_is_still_checked(three_checkpoints, tmp_path, tiny_model_dir,
+                                                                           capsys):
+    """Checkpoints saved before the manifest: what can be checked without it (the weights and the trainer state open)."""
+    run = copied_run(three_checkpoints, tmp_path)
+    for d in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
+        (run / d / "manifest.json").unlink(missing_ok=True)
+    assert M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir)) == str(run / "checkpoint-3")
+    cut(run / "checkpoint-3" / "model.safetensors")
+    cut(run / "checkpoint-2" / "trainer_state.pt")
+    assert M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir)) == str(run / "checkpoint-1")
+    out = capsys.readouterr().out
+    assert "checkpoint-3: model.safetensors does not load" in out and "checkpoint-2: trainer_state.pt does not load" in out
+    hist = M.train(resume_cfg(tmp_path, tiny_model_dir, "auto", "max_steps=2"))
+    assert [h["step"] for h in hist] == [2]
+
+
+def test_a_torn_last_log_line_is_dropped_on_resume_and_said(three_checkpoints, tmp_path, tiny_model_dir, capsys):
+    """A crash while step 4's lines were written: resuming from checkpoint-3 drops the torn lines and redoes step 4."""
+    run = copied_run(three_checkpoints, tmp_path)
+    for name in ("metrics.jsonl", "episodes.jsonl"):
+        with open(run / name, "a") as f:
+            f.write('{"step": 4, "reward/outc')
+    hist = M.train(resume_cfg(tmp_path, tiny_model_dir, "auto", "max_steps=4"))
+    assert [h["step"] for h in hist] == [4]
+    out = capsys.readouterr().out
+    assert "metrics.jsonl ends in a torn line" in out and "episodes.jsonl ends in a torn line" in out
+    import json
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert {json.loads(x)["step"] for x in (run / "episodes.jsonl").read_text().splitlines()} == {1, 2, 3, 4}

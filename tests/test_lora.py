@@ -80,3 +80,16 @@ def test_merge_lora_writes_one_model_that_scores_as_base_plus_adapter(tmp_path, 
 def test_lora_with_nccl_sync_is_a_config_error(tmp_path, tiny_model_dir):
     with pytest.raises(M.ConfigError, match="set weight_sync=filesystem"):
         M.train(run_cfg(tmp_path, tiny_model_dir, "x", "weight_sync=nccl", "vllm_server_url=http://127.0.0.1:9", *LORA))
+
+
+def test_resuming_across_lora_and_full_fine_tuning_names_what_to_set(tmp_path, tiny_model_dir):
+    """A checkpoint is resumed in the mode, and with the adapter keys, it was saved with; anything else is one line."""
+    M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=1"))
+    M.train(run_cfg(tmp_path, tiny_model_dir, "lora", "max_steps=1", *LORA))
+    for name, extra, said in (("full", LORA, "saved by full fine-tuning: set lora_rank=0 to resume it"),
+                              ("lora", [], "saved with LoRA: set lora_rank=4, lora_alpha=8.0, lora_dropout=0.0 to resume it"),
+                              ("lora", [*LORA, "lora_alpha=16"], "saved with LoRA: set lora_rank=4, lora_alpha=8.0")):
+        with pytest.raises(M.ConfigError, match=said):
+            M.train(run_cfg(tmp_path, tiny_model_dir, name, "max_steps=2", "resume_from_checkpoint=auto", *extra))
+    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "lora", "max_steps=2", "resume_from_checkpoint=auto", *LORA))
+    assert [h["step"] for h in hist] == [2]

@@ -1,11 +1,17 @@
 """run.sh's GPU layout, on a CPU: a fake nvidia-smi, and a fake `vllm` that records how it was launched
-and serves the vLLM 0.33 stand-in. torchrun then trains 2 gloo ranks with FSDP2 against it."""
+and serves the vLLM 0.33 stand-in. torchrun then trains 2 gloo ranks with FSDP2 against it. Then how run.sh and
+the benchmarks stop what they started: a clean stop under torchrun, and no server process left behind."""
+import contextlib
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
+
+import pytest
 
 import mt_grpo_trainer as M
 
@@ -24,12 +30,16 @@ def fake_bin(tmp_path, vllm_body: str):
     return bin_dir
 
 
+def sh_env(tmp_path, bin_dir, port, extra_env=None):
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MTGRPO_REQUIREMENTS": "requirements.txt",
+            "MTGRPO_VLLM": str(bin_dir / "vllm"), "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_START_TIMEOUT": "60",
+            "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+            "OMP_NUM_THREADS": "1", **(extra_env or {})}
+
+
 def run_sh(tmp_path, bin_dir, port, *args, timeout=300, extra_env=None):
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MTGRPO_REQUIREMENTS": "requirements.txt",
-           "MTGRPO_VLLM": str(bin_dir / "vllm"), "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_START_TIMEOUT": "60",
-           "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-           "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    return subprocess.run(["bash", "run.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["bash", "run.sh", *args], cwd=ROOT, env=sh_env(tmp_path, bin_dir, port, extra_env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def port_open(port: int) -> bool:
@@ -131,3 +141,120 @@ def test_one_gpu_for_vllm_and_training_is_checked_before_launch(tmp_path, tiny_m
     tight = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.0001", "lora_rank=4",
                    extra_env={"FAKE_GPU_MIB": "1"})
     assert "cannot hold the model's bf16 weights" in tight.stderr and "raise vllm_gpu_memory_utilization" in tight.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_to_run_sh_under_torchrun_saves_and_exits_0(tmp_path, tiny_model_dir, sig):
+    """A clean stop of the server layout: the ranks get the signal (torchrun, signalled, would exit 1 with a
+    traceback), finish the step, save, and torchrun exits 0."""
+    from tests.vllm_standin import StandinServer
+    run = tmp_path / "run"
+    with StandinServer(tiny_model_dir) as srv:
+        p = subprocess.Popen(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "--server-url", srv.url,
+                              f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={run}", "max_steps=500",
+                              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=8"],
+                             cwd=ROOT, env=sh_env(tmp_path, tmp_path, M.free_port(), {"MTGRPO_LAYOUT": "server"}),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and p.poll() is None and not (
+                    (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+                time.sleep(0.2)
+            p.send_signal(getattr(signal, sig))
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    steps = len((run / "metrics.jsonl").read_text().splitlines())
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert f"{sig}: stopped after step {steps}" in out and (run / f"checkpoint-{steps}" / "trainer_state.pt").is_file()
+
+
+def group_of(pgid: int, wait: float = 0) -> list[int]:
+    """The live processes of a process group, read from /proc; with `wait`, once it is empty or `wait` s have passed."""
+    deadline = time.time() + wait
+    while True:
+        pids = []
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{d}/stat") as f:
+                    state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+                if int(group) == pgid and state != "Z":
+                    pids.append(int(d))
+        if not pids or time.time() > deadline:
+            return pids
+        time.sleep(0.5)
+
+
+def vllm_group(server) -> tuple[int, int]:
+    """The API server run.sh started (found by the test's unique port) and its process group, checked to hold more
+    than the API server (vLLM's EngineCore), so that the test below proves something."""
+    port = server.url.rsplit(":", 1)[1]
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode() and int(d) != server.proc.pid:
+            pgid = os.getpgid(int(d))
+            deadline = time.time() + 30
+            while len(group_of(pgid)) < 2 and time.time() < deadline:
+                time.sleep(0.5)
+            assert len(group_of(pgid)) >= 2, "the server started no EngineCore process"
+            return int(d), pgid
+    raise AssertionError(f"no vLLM server process with --port {port}")
+
+
+def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(tiny_model_dir, tmp_path):
+    """vLLM's CPU build, started by `bash run.sh serve`: stopping run.sh (SIGTERM) leaves no process of the server's
+    group behind, and neither does a server whose API process dies alone (SIGKILL), which left its EngineCore."""
+    from conftest import start_real_server
+    for case in ("sigterm run.sh", "kill the api server"):
+        srv, pgid = start_real_server(tiny_model_dir, tmp_path / f"{case[:4]}.log"), None
+        try:
+            api, pgid = vllm_group(srv)
+            if case == "sigterm run.sh":
+                srv.proc.send_signal(signal.SIGTERM)
+            else:
+                os.kill(api, signal.SIGKILL)
+            srv.proc.communicate(timeout=60)
+            left = {p: open(f"/proc/{p}/cmdline", "rb").read()[:80] for p in group_of(pgid, wait=30)}
+            assert not left, f"{case}: run.sh left these processes of the server behind: {left}"
+        finally:   # whatever the test found, nothing it started outlives it
+            for group in {srv.proc.pid, pgid} - {None}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            srv.proc.wait()
+
+
+def test_a_bench_stopped_by_sigterm_stops_its_servers_whole_process_group(tmp_path):
+    """bench/async_overlap.py's servers (`bash run.sh serve`, the stand-in) run in `served`: a SIGTERM to the bench's
+    process group, as `timeout` sends, stops the server's whole group too (here a server with a child process)."""
+    port = M.free_port()
+    server = tmp_path / "server.py"
+    server.write_text(
+        "import http.server, os, subprocess\n"
+        f"open({str(tmp_path / 'pids')!r}, 'w').write(f\"{{os.getpid()}} {{subprocess.Popen(['sleep', '600']).pid}}\")\n"
+        "class Health(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200)\n"
+        "        self.end_headers()\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), Health).serve_forever()\n")
+    bench = (f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
+             f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
+             "    print('healthy', flush=True)\n    time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids = []
+    try:
+        assert p.stdout.readline() == "healthy\n"
+        pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+        assert group_of(pids[0]) == sorted(pids), "the server and its child form a process group of their own"
+        os.killpg(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert not group_of(pids[0], wait=10), "the bench left its server running"
+    finally:
+        for group in (p.pid, *pids[:1]):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        p.wait()

@@ -118,6 +118,28 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
     assert [h["step"] for h in auto] == [4]
 
 
+def test_resume_applies_a_changed_learning_rate_schedule_and_adamw_and_says_so(tmp_path, tiny_model_dir, capsys):
+    """The recipe's values are the ones used (and the ones config.yaml records), not the checkpoint's run's."""
+    M.train(run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=2", "lr_scheduler=linear"))   # lr 0.01, down to 0 at step 2
+    cfg = run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=4", "lr_scheduler=linear", "learning_rate=0.02",
+                  "weight_decay=0.1", "adam_betas=[0.8,0.99]", "resume_from_checkpoint=auto")
+    run = M.setup(cfg)
+    try:
+        assert run.start == 2 and run.scheduler.base_lrs == [0.02]
+        g = run.optimizer.param_groups[0]
+        assert g["lr"] == pytest.approx(0.02 * (1 - 2 / 4)), "step 3's rate, on the new schedule"
+        assert g["initial_lr"] == 0.02 and g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.99)
+        assert run.optimizer.state, "the moments were restored"
+    finally:
+        run.rollouts.close()
+        run.close([])
+    assert ("the recipe changes learning_rate 0.01 -> 0.02, max_steps 2 -> 4, weight_decay 0.0 -> 0.1, adam_betas "
+            "[0.9, 0.999] -> [0.8, 0.99]") in capsys.readouterr().out
+    hist = M.train(cfg)
+    assert [h["loss/lr"] for h in hist] == pytest.approx([0.02 * (1 - 3 / 4), 0.0])
+    assert M.load_config(f"{tmp_path}/run/config.yaml").learning_rate == 0.02
+
+
 def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
     with pytest.raises(M.ConfigError, match="no checkpoint at"):
         M.train(run_cfg(tmp_path, tiny_model_dir, "x", f"resume_from_checkpoint={tmp_path}/nope"))
