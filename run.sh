@@ -107,8 +107,13 @@ case "$LAYOUT" in
 esac
 
 if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
-  "$PY" -c "import sys, mt_grpo_trainer as M; M.build_model_if_missing(M.load_config(sys.argv[1], sys.argv[2:]), print)" \
-    "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} || exit 1
+  "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
+import sys, mt_grpo_trainer as M
+try:
+    M.build_model_if_missing(M.load_config(sys.argv[1], sys.argv[2:]), print)
+except M.ConfigError as e:   # e.g. a builder file that does not import: one line, as the trainer says it
+    sys.exit(f"mt-grpo: error: {e}")
+PYEOF
 fi
 
 start_server() {   # "$@": the command that serves the model; the flags that matter for RL are added here

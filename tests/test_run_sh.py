@@ -93,6 +93,16 @@ def test_a_bad_recipe_fails_before_anything_is_launched(tmp_path):
     assert not (tmp_path / "launched").exists()
 
 
+def test_a_model_builder_that_does_not_import_is_one_line_before_the_server_starts(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (tmp_path / "builder.py").write_text("import json\ndef build(:\n")
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tmp_path}/m",
+               f"model_builder={tmp_path}/builder.py:build", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert [line for line in r.stderr.splitlines() if line.startswith("mt-grpo: error:")] == r.stderr.strip().splitlines()[-1:]
+    assert "builder.py" in r.stderr and "SyntaxError" in r.stderr and not (tmp_path / "launched").exists()
+
+
 def test_an_nvidia_smi_that_fails_is_said_not_taken_silently_for_no_gpu(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with "
