@@ -56,6 +56,19 @@ def tiny(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def moving_run(tmp_path, model_dir) -> list[str]:
+    """Overrides for a run whose every step moves the weights: rewards 0, 1, 0, 1 within every group, on fresh random
+    weights (model_dir's shape), whose episodes in a group differ (the warm toy's are often identical, and
+    identical episodes with opposite advantages cancel)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    reward = tmp_path / "alternating.py"
+    reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
+    return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
+
+
 def recipe_cfg(tmp_path, *overrides):
     """The default recipe with test overrides."""
     return M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}/run", *overrides])
