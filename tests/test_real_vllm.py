@@ -16,7 +16,7 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from conftest import ROOT, recipe_cfg, vllm_cpu_venv
+from conftest import ROOT, moving_run, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
 from tasks import toy_kv
 
 AGREE = 2e-3   # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
@@ -109,19 +109,6 @@ def test_sampler_and_trainer_logprobs_agree(real_vllm, toy, tmp_path, temperatur
     assert n > 300 and diff < AGREE
 
 
-def moving_run(tmp_path, model_dir) -> list[str]:
-    """Overrides for a run whose every step moves the weights: rewards 0, 1, 0, 1 within every group, on fresh random
-    weights (toy_model_dir's shape), whose episodes in a group differ (the warm toy's are often identical, and
-    identical episodes with opposite advantages cancel)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    reward = tmp_path / "alternating.py"
-    reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
-    return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
-
-
 def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy, tmp_path, monkeypatch):
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
@@ -137,19 +124,44 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     follows, n = mean_abs_diff(changed, outs, prompts, 1.0)
     stale, _ = mean_abs_diff(model, outs, prompts, 1.0)
     assert follows < AGREE < 10 * AGREE < stale, (follows, stale, n)
-    # The trainer's own check after every sync: it passes when the weights arrive ...
+    # The trainer's own checks after every sync, at a learning rate whose one-step change on the probe is a few times
+    # the bf16 precision gap but far below sync_check_max_diff, the bound that gap needs: they pass when the weights
+    # arrive ...
     serve(client, model, 4)
     common = [*moving_run(tmp_path, real_vllm.model_dir), "model_builder=", f"vllm_server_url={real_vllm.url}",
-              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "learning_rate=0.2",
+              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "learning_rate=1e-4",
               "log_episodes_steps=0", "max_steps=1"]
     [m] = M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/synced"))
+    print({k: v for k, v in m.items() if k.startswith("sync/")})
     assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff and m["rollout/sampler_logprob_diff"] < AGREE
     assert m["loss/grad_norm"] > 0.01, "step 1 moved the weights"
-    # ... and it stops the run when they do not (the sync after step 1 is skipped, then the check runs).
+    assert m["sync/probe_change"] < M.Config.sync_check_max_diff / 2, "one step: far below what the first check sees"
+    assert 0.8 < m["sync/probe_follow"] < 1.2, "the server's logprobs moved as the trainer's did"
+    # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
-    with pytest.raises(M.SyncCheckError, match=r"after step 1: .* differ from the trainer's by [0-9.]+ on average"):
+    with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's by -?0\.00 of that") as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
+    print(e.value)
+
+
+def test_a_server_started_without_processed_logprobs_stops_the_run_at_set_up(real_vllm, tmp_path):
+    """By hand without `--logprobs-mode processed_logprobs`, vLLM returns its logprobs at temperature 1 without top-p,
+    while the trainer scores at the recipe's temperature: set-up samples a little, compares, and names the flag."""
+    common = [f"model_name_or_path={real_vllm.model_dir}", "model_builder=", f"weight_sync_dir={tmp_path}/shm",
+              "prompts_per_step=2", "num_generations=4", "max_steps=1", "log_episodes_steps=0"]
+    M.train(recipe_cfg(tmp_path, *common, "temperature=0.7", "top_p=0.9", f"vllm_server_url={real_vllm.url}"))
+    raw = start_real_server(real_vllm.model_dir, tmp_path / "raw.log", vllm_flags=[   # run.sh's flags but that one
+        "--max-model-len", "512", "--enable-prefix-caching", "--generation-config", "vllm"])
+    try:
+        for t, p in ((0.7, 1.0), (1.0, 0.9)):
+            with pytest.raises(M.SamplerError, match=rf"temperature 1 without top-p, not at temperature={t}, top_p={p} .*"
+                                                     r"Restart it with `--logprobs-mode processed_logprobs`") as e:
+                M.train(recipe_cfg(tmp_path, *common, f"temperature={t}", f"top_p={p}", f"vllm_server_url={raw.url}",
+                                   f"output_dir={tmp_path}/raw{t}"))
+            print(e.value)
+    finally:
+        stop_real_server(raw.proc)
 
 
 def metric(url, name):

@@ -11,7 +11,7 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from tests.conftest import recipe_cfg
+from tests.conftest import moving_run, recipe_cfg
 from tests.vllm_standin import StandinServer
 
 
@@ -235,6 +235,26 @@ def test_training_against_the_server_syncs_every_step_and_before_generating_afte
     after = [r["path"] for r in server.requests[mark:] if r["path"] in ("/collective_rpc", "/v1/completions")]
     assert after[0] == "/collective_rpc", "the resumed run syncs its weights before any generation"
     assert server.last_weights_path.endswith("step_3")
+
+
+def test_the_sync_check_adds_up_small_steps_and_stops_a_run_whose_reloads_do_nothing(server, tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """At a learning rate whose one-step change on the probe is below the bf16 gap (a step may leave the bf16 weights
+    as they were), a sync is not judged until the changes since the last judged one add up: a synced run never stops
+    and follows the trainer at each judged sync; a run whose reloads do nothing stops after a few syncs."""
+    common = [*moving_run(tmp_path, tiny_model_dir), "model_builder=", f"vllm_server_url={server.url}",
+              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "max_tokens=12",
+              "learning_rate=2e-5", "max_steps=10", "log_episodes_steps=0"]
+    hist = M.train(recipe_cfg(tmp_path / "synced", *common))
+    judged = [m["step"] for m in hist if "sync/probe_follow" in m]
+    assert 1 <= len(judged) <= 6 and judged[0] > 1, "only once the changes add up"
+    assert all(0.5 < m["sync/probe_follow"] < 1.5 for m in hist if m["step"] in judged), "the server followed the trainer"
+    probes = [r["cache_salt"] for r in completions(server) if "-probe" in r["cache_salt"]]
+    assert probes[-3:] == [f"{probes[0].split('-')[0]}-probe-v{v}" for v in (8, 9, 10)], "no KV of older weights"
+    skip_after_step_0 = M.VLLMServerClient.sync_weights
+    monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
+    with pytest.raises(M.SyncCheckError, match=r"after step ([2-9]|10): since step 0 .* the server's by -?0\.00 of that"):
+        M.train(recipe_cfg(tmp_path / "skipped", *common))
 
 
 def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
