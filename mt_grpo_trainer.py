@@ -1342,6 +1342,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     """Plug-ins and rewards first (a bad recipe fails in seconds), then the run folder, the model
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
     from tqdm import tqdm
+    resolve_paths(cfg)
     run = Run(cfg, *init_distributed(cfg))
     random.seed(cfg.seed + run.rank)
     np.random.seed((cfg.seed + run.rank) % 2**32)
@@ -1382,6 +1383,16 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if threading.current_thread() is threading.main_thread():
         run.handlers = {sig: signal.signal(sig, run.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     return run
+
+
+def resolve_paths(cfg: Config):
+    """The run's folders, made absolute once, before anything is written: a tool or reward function that calls
+    os.chdir moves no log, checkpoint or lock, and config.yaml records the folders used."""
+    cfg.output_dir, cfg.weight_sync_dir = os.path.abspath(cfg.output_dir), os.path.abspath(cfg.weight_sync_dir)
+    if cfg.model_builder or os.path.exists(cfg.model_name_or_path):   # a local folder, not a hub id
+        cfg.model_name_or_path = os.path.abspath(cfg.model_name_or_path)
+    if cfg.resume_from_checkpoint not in ("", "auto"):
+        cfg.resume_from_checkpoint = os.path.abspath(cfg.resume_from_checkpoint)
 
 
 def load_plugins(run: Run, eval_only: bool):
@@ -1700,6 +1711,7 @@ class VLLMServerClient:
         self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
         self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
+        self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
         self.model, self.max_model_len = info["id"], int(info["max_model_len"])
 
@@ -1748,9 +1760,9 @@ class VLLMServerClient:
                 self.down_since = None if ok else self.down_since or now
             if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
                 return
-        log, tail = os.environ.get("MTGRPO_VLLM_LOG", ""), ""
-        with contextlib.suppress(OSError), open(log, errors="replace") as f:   # set by run.sh
-            tail = f"\nLast lines of the server's log ({log}):\n" + "".join(f.readlines()[-20:])
+        tail = ""
+        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:   # run.sh's MTGRPO_VLLM_LOG
+            tail = f"\nLast lines of the server's log ({self.log}):\n" + "".join(f.readlines()[-20:])
         raise SamplerError(f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
                            f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
                            f"{str(last)[:200]}). The server process is gone or its engine died.{tail}")

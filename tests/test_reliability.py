@@ -156,3 +156,43 @@ def test_rewards_must_be_real_numbers(tmp_path):
     for junk in ("1.0", None, torch.tensor([1.0, 2.0]), [1.0]):
         with pytest.raises(M.RewardError, match="not a number but a"):
             M.score(eps, [lambda completions, **_: [junk] * 4], [1.0])
+
+
+# --- a working folder that moves, plug-ins that edit what they are given ---------------------------
+
+def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny_model_dir, monkeypatch):
+    """Every path the run writes later is made absolute at set-up: a relative output_dir stays where it was."""
+    from test_env import tool_call
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    (tmp_path / "cd.py").write_text(f'import os\n\ndef lookup(key: str) -> str:\n    """Look up, then move away."""\n'
+                                    f'    os.chdir({str(elsewhere)!r})\n    return "v"\n')
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"tools=[{tmp_path}/cd.py:lookup]",
+                     "max_steps=2", "prompts_per_step=2", "num_generations=2", "log_episodes_steps=1", "eval_steps=0")
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, [tool_call("a"), "<answer>v</answer>"]))
+    monkeypatch.chdir(home)                          # restored at teardown
+    cfg.output_dir = "run"
+    history = M.train(cfg)
+    assert os.getcwd() == str(elsewhere) and all(h["rollout/tool_calls"] > 0 for h in history), "the tool moved us"
+    run = home / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert {json.loads(x)["step"] for x in (run / "episodes.jsonl").read_text().splitlines()} == {1, 2}
+    assert (run / "checkpoint-2" / "trainer_state.pt").is_file() and not (elsewhere / "run").exists()
+    assert not (home / "run.lock").exists(), "the lock was found again and removed"
+    assert M.load_config(str(run / "config.yaml")).output_dir == str(run), "config.yaml records the folder used"
+
+
+def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, tmp_path, monkeypatch):
+    from tests.vllm_standin import StandinServer
+    (tmp_path / "vllm.log").write_text("the engine died: out of memory\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")   # run.sh's default is relative, too
+    with StandinServer(tiny_model_dir) as srv:
+        client = M.VLLMServerClient(M.load_config(None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01",
+                                                         f"output_dir={tmp_path}/run"]), srv.vocab_size)
+    os.chdir(tmp_path.parent)
+    client.check_alive(OSError("refused"))           # the server is gone: from now on it is down
+    time.sleep(0.05)
+    with pytest.raises(M.SamplerError, match="has not been healthy") as e:
+        client.check_alive(OSError("refused"))
+    assert f"Last lines of the server's log ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
