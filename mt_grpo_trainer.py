@@ -44,6 +44,7 @@ import ast
 import collections
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -366,15 +367,17 @@ class RewardError(ConfigError):
 
 
 def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
-    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`. Each gets its own copy of
+    both: an edit it makes reaches neither the next function nor the episode."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
     total = [0.0] * len(episodes)
     for fn, w in zip(funcs, weights):
         name = getattr(fn, "__name__", str(fn))
         where = f"reward function '{name}' ({inspect.getsourcefile(fn)})"
+        own, cols = copy.deepcopy((completions, columns))
         try:
-            vals = fn(completions, **columns)
+            vals = fn(own, **cols)
         except Exception as e:
             raise RewardError(f"{where} raised {type(e).__name__}: {e}  (dataset columns: {', '.join(columns)})") from e
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
@@ -816,7 +819,8 @@ class MultiTurnToolEnv:
                 args = call.get(key, {})
                 if not isinstance(args, dict):
                     raise ValueError(f"'{key}' must be a JSON object")
-                futures.append(self.pool.submit(self.tools[call["name"]], **args))
+                # a copy: native calls keep these arguments in the assistant message, which the next prompt renders
+                futures.append(self.pool.submit(self.tools[call["name"]], **copy.deepcopy(args)))
             except Exception as e:  # noqa: BLE001
                 futures.append(e)
         results = []

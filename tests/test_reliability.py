@@ -1,5 +1,6 @@
 """What broke when the trainer was tried as a new user would, each now a defined outcome: the run goes on
 with the fault counted, or it stops at once with one line that names the cause and the fix."""
+import copy
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import torch
 import mt_grpo_trainer as M
 from conftest import ROOT, recipe_cfg
 from test_env import ScriptedSampler
+from test_templates import FIX, Turns, qwen3  # noqa: F401 (a fixture)
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 
@@ -196,3 +198,44 @@ def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, 
     with pytest.raises(M.SamplerError, match="has not been healthy") as e:
         client.check_alive(OSError("refused"))
     assert f"Last lines of the server's log ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
+
+
+def test_a_reward_function_that_edits_what_it_is_given_changes_nothing_else():
+    row = {"prompt": "q", "answer": "v", "aliases": ["v", "w"]}
+    eps = [M.new_episode(row, "") for _ in range(2)]    # a group's episodes share their dataset row, as in training
+    for ep in eps:
+        ep.messages.append({"role": "assistant", "content": "<answer>v</answer>"})
+    before, seen = copy.deepcopy([(ep.messages, ep.row) for ep in eps]), []
+
+    def vandal(completions, answer, aliases, **columns):
+        completions[0][0]["content"] = "edited"
+        completions[1].append({"role": "user", "content": "added"})
+        answer[0], columns["prompt"][1] = "x", "y"
+        aliases[0].append("z")
+        return [0.0, 0.0]
+
+    def witness(completions, **columns):
+        seen.append((completions, columns))
+        return [1.0, 1.0]
+
+    assert M.score(eps, [vandal, witness], [1.0, 1.0]) == [1.0, 1.0]
+    assert [(ep.messages, ep.row) for ep in eps] == before, "what episodes.jsonl records is what was sampled"
+    done = [{"role": "assistant", "content": "<answer>v</answer>"}]
+    assert seen == [([done, done], {"prompt": ["q", "q"], "answer": ["v", "v"], "aliases": [["v", "w"], ["v", "w"]]})]
+
+
+@pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (the real Qwen3 tokenizer)")
+def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
+    """Native calls keep the parsed arguments in the assistant message, which the next prompt renders."""
+    def tag(keys: list) -> str:
+        """Tags keys (and edits the list it was given)."""
+        keys.append("edited")
+        return "tagged"
+
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "tag", "arguments": {"keys": ["a"]}}\n</tool_call>'
+    sampler = Turns(qwen3, [enc(call), enc("<think>\ny\n</think>\n\nDone.")])
+    env = M.MultiTurnToolEnv(qwen3, [tag], M.Config(system_prompt="", tool_format="native", tokenization_check="strict"))
+    [ep] = env.rollout([{"prompt": "q"}], sampler)
+    assert ep.messages[1]["tool_calls"][0]["function"]["arguments"] == {"keys": ["a"]}
+    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw stays as sampled"
