@@ -160,7 +160,7 @@ def test_rewards_must_be_real_numbers(tmp_path):
             M.score(eps, [lambda completions, **_: [junk] * 4], [1.0])
 
 
-# --- a working folder that moves, plug-ins that edit what they are given ---------------------------
+# --- a working folder that moves, plug-ins that edit what they are given, reward functions that never return ---
 
 def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny_model_dir, monkeypatch):
     """Every path the run writes later is made absolute at set-up: a relative output_dir stays where it was."""
@@ -169,9 +169,10 @@ def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny
     home.mkdir(), elsewhere.mkdir()
     (tmp_path / "cd.py").write_text(f'import os\n\ndef lookup(key: str) -> str:\n    """Look up, then move away."""\n'
                                     f'    os.chdir({str(elsewhere)!r})\n    return "v"\n')
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"tools=[{tmp_path}/cd.py:lookup]",
-                     "max_steps=2", "prompts_per_step=2", "num_generations=2", "log_episodes_steps=1", "eval_steps=0")
-    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, [tool_call("a"), "<answer>v</answer>"]))
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=2",
+                     f"tools=[{tmp_path}/cd.py:lookup]", "prompts_per_step=2", "num_generations=2", "log_episodes_steps=1")
+    script = [tool_call("a"), "<answer>v</answer>"]
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, script))
     monkeypatch.chdir(home)                          # restored at teardown
     cfg.output_dir = "run"
     history = M.train(cfg)
@@ -235,7 +236,33 @@ def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
     enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
     call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "tag", "arguments": {"keys": ["a"]}}\n</tool_call>'
     sampler = Turns(qwen3, [enc(call), enc("<think>\ny\n</think>\n\nDone.")])
-    env = M.MultiTurnToolEnv(qwen3, [tag], M.Config(system_prompt="", tool_format="native", tokenization_check="strict"))
-    [ep] = env.rollout([{"prompt": "q"}], sampler)
+    cfg = M.Config(system_prompt="", tool_format="native", tokenization_check="strict")
+    [ep] = M.MultiTurnToolEnv(qwen3, [tag], cfg).rollout([{"prompt": "q"}], sampler)
     assert ep.messages[1]["tool_calls"][0]["function"]["arguments"] == {"keys": ["a"]}
-    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw stays as sampled"
+    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw, as sampled"
+
+
+def test_a_reward_function_that_never_returns_stops_the_run_in_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Bounded by reward_timeout at start-up (check_rewards scores two episodes) and in the loop (four)."""
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("import os\nimport threading\n\nrelease = threading.Event()\n\n\ndef stuck(completions, **_):\n"
+                     "    if len(completions) > int(os.environ['STUCK_ABOVE']):\n        release.wait()\n"
+                     "    return [0.0] * len(completions)\n")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}   # a failed train() keeps its own
+    try:
+        for above, model in (("0", tmp_path / "never_built"), ("2", tiny_model_dir)):
+            monkeypatch.setenv("STUCK_ABOVE", above)
+            t = time.time()
+            with pytest.raises(SystemExit):
+                M.main([TOY, f"output_dir={tmp_path}/run{above}", f"outcome_reward_funcs=[{stuck}:stuck]",
+                        "reward_timeout=1", f"model_name_or_path={model}", "model_builder=", "prompts_per_step=2",
+                        "num_generations=2", "max_tokens=8"])
+            err = capsys.readouterr().err
+            assert [x for x in err.splitlines() if x.startswith("mt-grpo: error")] == [
+                f"mt-grpo: error: reward function 'stuck' ({stuck}) did not return within reward_timeout=1.0s; "
+                "saved checkpoints are unaffected"] and "Traceback" not in err and time.time() - t < 30, err
+        assert not (tmp_path / "never_built").exists(), "at start-up: before any model work"
+    finally:
+        M.load_object(f"{stuck}:release").set()
+        for s, h in handlers.items():
+            signal.signal(s, h)
