@@ -44,6 +44,7 @@ import ast
 import collections
 import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -99,6 +100,8 @@ class Config:
     """Outcome-level reward functions (`file.py:function`), scored on the whole episode."""
     outcome_reward_weights: Annotated[list[float], "finite"] = field(default_factory=list)
     """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
+    reward_timeout: Annotated[float, "> 0"] = 300.0
+    """Seconds one reward function call may run; past it the run stops with an error naming the function."""
     tool_format: str = "xml"
     """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
     thinking_retention: str = "template"
@@ -365,21 +368,35 @@ def new_episode(row: dict, system_prompt: str) -> Episode:
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
 class RewardError(ConfigError):
-    """A reward function raised, or returned the wrong length or a non-number: the run stops (I6)."""
+    """A reward function raised, hung, or returned the wrong length or a non-number: the run stops (I6)."""
 
 
-def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[float]:
-    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`."""
+class Stopped(RewardError):
+    """SIGTERM or a first Ctrl-C while a reward function ran: train() drops the step, saves the last completed one."""
+
+
+def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: float = Config.reward_timeout,
+          stop: threading.Event | None = None) -> list[float]:
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`. Each runs in a worker
+    on its own copy of both (an edit it makes reaches neither the next function nor the episode), for at most
+    `timeout` seconds, and is abandoned at once when `stop` is set (a function may never return)."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
     total = [0.0] * len(episodes)
     for fn, w in zip(funcs, weights):
         name = getattr(fn, "__name__", str(fn))
         where = f"reward function '{name}' ({inspect.getsourcefile(fn)})"
+        own, cols = copy.deepcopy((completions, columns))
+        fut = reward_pool().submit(functools.partial(fn, own, **cols))
         try:
-            vals = fn(completions, **columns)
-        except Exception as e:
-            raise RewardError(f"{where} raised {type(e).__name__}: {e}  (dataset columns: {', '.join(columns)})") from e
+            err = call_exception(fut, timeout, stop)
+        except (concurrent.futures.TimeoutError, Stopped) as e:
+            reward_pool().add_worker()   # that worker may never come back: abandon it, keep the pool's size
+            raise e if isinstance(e, Stopped) else RewardError(
+                f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected") from None
+        if err:
+            raise RewardError(f"{where} raised {type(err).__name__}: {err}  (dataset columns: {', '.join(columns)})") from err
+        vals = fut.result()
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
             raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
         for i, (ep, v) in enumerate(zip(episodes, vals)):
@@ -394,12 +411,13 @@ def score(episodes: list[Episode], funcs: list, weights: list[float]) -> list[fl
     return total
 
 
-def check_rewards(rows: list[dict], funcs: list, system_prompt: str):
-    """Score two dummy episodes before model work: a reward that raises, lacks a column or returns junk fails fast."""
+def check_rewards(rows: list[dict], funcs: list, system_prompt: str, timeout: float = Config.reward_timeout):
+    """Score two dummy episodes before model work: a reward function that raises, hangs (past `timeout`), lacks a
+    column or returns junk stops the run at once."""
     eps = [new_episode(r, system_prompt) for r in rows[:2]]
     for ep in eps:
         ep.messages.append({"role": "assistant", "content": "<reasoning>.</reasoning>\n<answer>.</answer>"})
-    score(eps, funcs, [1.0] * len(funcs))
+    score(eps, funcs, [1.0] * len(funcs), timeout)
 
 
 # --- advantages: one group's rewards -> per-episode advantages (before, after) the first tool result
@@ -847,7 +865,8 @@ class MultiTurnToolEnv:
                 args = call.get(key, {})
                 if not isinstance(args, dict):
                     raise ValueError(f"'{key}' must be a JSON object")
-                futures.append(self.pool.submit(self.tools[call["name"]], **args))
+                # a copy: native calls keep these arguments in the assistant message, which the next prompt renders
+                futures.append(self.pool.submit(self.tools[call["name"]], **copy.deepcopy(args)))
             except Exception as e:  # noqa: BLE001
                 futures.append(e)
         results = []
@@ -855,7 +874,7 @@ class MultiTurnToolEnv:
             try:
                 # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
                 # arrives while we wait is raised here, in the main thread, and stops the run.
-                err = fut if isinstance(fut, Exception) else self.tool_exception(fut)
+                err = fut if isinstance(fut, Exception) else call_exception(fut, self.cfg.tool_timeout)
             except concurrent.futures.TimeoutError:
                 self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
                 err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
@@ -871,18 +890,6 @@ class MultiTurnToolEnv:
             results.append(clean)
             ep.messages.append(self.fmt.result(clean))
         return results
-
-    def tool_exception(self, fut: concurrent.futures.Future) -> BaseException | None:
-        """A call's exception (None once it returned). TimeoutError once it has run tool_timeout seconds since a worker
-        took it: with more calls than workers, time spent queued does not count."""
-        while True:
-            started = getattr(fut, "started", None)
-            left = 0.05 if started is None else started + self.cfg.tool_timeout - time.monotonic()
-            try:
-                return fut.exception(timeout=max(0.0, left))
-            except concurrent.futures.TimeoutError:
-                if started is not None:
-                    raise
 
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
@@ -1103,8 +1110,8 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         # 1. rollout: whole GRPO groups, every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
         # 2. reward: a turn-level and an outcome-level scalar per episode
-        turn_R = score(episodes, run.turn_fns, run.turn_w)
-        outcome_R = score(episodes, run.outcome_fns, run.outcome_w)
+        turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop)
+        outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop)
         # 3. advantage: normalised within each group, then split per token at the first tool result
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         drawn += outcome_R
@@ -1181,7 +1188,13 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             t0 = time.time()
             # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
             #      max_staleness >= 1, already run by the producer thread while the trainer updated on earlier steps
-            episodes, m_roll = run.rollouts.take(step)
+            try:
+                episodes, m_roll = run.rollouts.take(step)
+            except Stopped:   # a signal while a reward function ran (it may never return): this step is dropped
+                episodes = None
+            if all_sum(float(episodes is None))[0]:   # on any rank: every rank stops, with the weights of `step` steps
+                run.save_and_stop(step)
+                break
             # 4. update: PPO-clip on exactly the sampled tokens (I1)
             samples, rejected = trainable_samples(episodes, cfg)
             t1 = time.time()
@@ -1196,13 +1209,11 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                       "time/train": t_train, "time/step": time.time() - t0})
             run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
-            stopping = run.stop_requested()
-            if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
-                path = save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
-            if stopping:
-                run.say(f"\n[mt-grpo] {run.stop_signal or 'a signal on another rank'}: stopped after step {step + 1} "
-                        f"and saved {path}; continue with resume_from_checkpoint=auto")
+            if run.stop_requested():
+                run.save_and_stop(step + 1)
                 break
+            if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+                save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
     finally:   # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
@@ -1217,7 +1228,7 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     for i in range(0, len(mine), chunk):
         eps += run.env.rollout(mine[i:i + chunk], run.sampler, greedy=True)
     if eps:
-        score(eps, reward_fns, [1.0] * len(reward_fns))
+        score(eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout, run.stop)
     records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
                 "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
                for i, ep in enumerate(eps)]
@@ -1387,13 +1398,21 @@ class Run:
                                "adds it), else every importance weight is biased.")
 
     def on_signal(self, signum, frame):
-        """SIGTERM or a first Ctrl-C: finish the step, save, exit (no more server retries); a second Ctrl-C aborts."""
+        """SIGTERM or a first Ctrl-C: finish the step (or drop it, if a reward function is running), save, exit (no more
+        server retries); a second Ctrl-C aborts."""
         if signum == signal.SIGINT and self.stop.is_set():
             raise KeyboardInterrupt
         self.stop_signal = signal.Signals(signum).name
         self.stop.set()
         if signum == signal.SIGINT:
-            self.say("\n[mt-grpo] Ctrl-C: finishing this step, then saving a checkpoint; Ctrl-C again aborts at once")
+            self.say("\n[mt-grpo] Ctrl-C: finishing this step (dropping it if a reward function is running), then "
+                     "saving a checkpoint; Ctrl-C again aborts at once")
+
+    def save_and_stop(self, step: int):
+        """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
+        path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        self.say(f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
+                 f"{path}; continue with resume_from_checkpoint=auto")
 
     def eval_due(self, step: int) -> bool:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
@@ -1426,6 +1445,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     """Plug-ins and rewards first (a bad recipe fails in seconds), then the run folder, the model
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
     from tqdm import tqdm
+    resolve_paths(cfg)
     run = Run(cfg, *init_distributed(cfg))
     random.seed(cfg.seed + run.rank)
     np.random.seed((cfg.seed + run.rank) % 2**32)
@@ -1473,6 +1493,16 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     return run
 
 
+def resolve_paths(cfg: Config):
+    """The run's folders, made absolute once, before anything is written: a tool or reward function that calls
+    os.chdir moves no log, checkpoint or lock, and config.yaml records the folders used."""
+    cfg.output_dir, cfg.weight_sync_dir = os.path.abspath(cfg.output_dir), os.path.abspath(cfg.weight_sync_dir)
+    if cfg.model_builder or os.path.exists(cfg.model_name_or_path):   # a local folder, not a hub id
+        cfg.model_name_or_path = os.path.abspath(cfg.model_name_or_path)
+    if cfg.resume_from_checkpoint not in ("", "auto"):
+        cfg.resume_from_checkpoint = os.path.abspath(cfg.resume_from_checkpoint)
+
+
 def load_plugins(run: Run, eval_only: bool):
     cfg = run.cfg
     run.tools = [load_object(s, "tool") for s in cfg.tools]
@@ -1496,7 +1526,7 @@ def load_plugins(run: Run, eval_only: bool):
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
     run.eval_rows = load_rows(cfg.eval_dataset)[:cfg.eval_max_examples or None] if cfg.eval_dataset else []
-    check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools))
+    check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools), cfg.reward_timeout)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
         raise ConfigError(f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
                           "sync_every=1: the in-process sampler shares the weights being trained, and staleness is counted "
@@ -1818,6 +1848,7 @@ class VLLMServerClient:
         self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
         self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
+        self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
         self.model, self.max_model_len = info["id"], int(info["max_model_len"])
 
@@ -1866,9 +1897,9 @@ class VLLMServerClient:
                 self.down_since = None if ok else self.down_since or now
             if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
                 return
-        log, tail = os.environ.get("MTGRPO_VLLM_LOG", ""), ""
-        with contextlib.suppress(OSError), open(log, errors="replace") as f:   # set by run.sh
-            tail = f"\nLast lines of the server's log ({log}):\n" + "".join(f.readlines()[-20:])
+        tail = ""
+        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:   # run.sh's MTGRPO_VLLM_LOG
+            tail = f"\nLast lines of the server's log ({self.log}):\n" + "".join(f.readlines()[-20:])
         raise SamplerError(f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
                            f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
                            f"{str(last)[:200]}). The server process is gone or its engine died.{tail}")
@@ -2447,8 +2478,8 @@ def autocast(cfg: Config, device: torch.device):
 
 
 class DaemonPool:
-    """Worker threads for tool calls and server requests. Daemons: a call that never returns is abandoned with its
-    worker (run_tools adds a fresh one), and none can keep the process from exiting after an error."""
+    """Worker threads for tool calls, reward functions and server requests. Daemons: a call that never returns is
+    abandoned with its worker (its caller adds a fresh one), and none can keep the process from exiting."""
 
     def __init__(self, size: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -2471,6 +2502,28 @@ class DaemonPool:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.jobs.put((fn, kwargs, fut))
         return fut
+
+
+def call_exception(fut: concurrent.futures.Future, timeout: float, stop: threading.Event | None = None):
+    """A pool call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
+    took it (time queued behind other calls does not count); Stopped as soon as `stop` is set."""
+    while True:
+        started = getattr(fut, "started", None)
+        left = math.inf if started is None else started + timeout - time.monotonic()
+        try:
+            return fut.exception(timeout=max(0.0, min(left, 0.05)))
+        except concurrent.futures.TimeoutError:
+            if left <= 0.05:
+                raise
+            if stop is not None and stop.is_set():
+                raise Stopped("SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are "
+                              "unaffected") from None
+
+
+@functools.cache
+def reward_pool() -> DaemonPool:
+    """The worker reward functions run on, made on first use: its caller waits with a bound (see score)."""
+    return DaemonPool(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """What broke when the trainer was tried as a new user would, each now a defined outcome: the run goes on
 with the fault counted, or it stops at once with one line that names the cause and the fix."""
+import copy
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import torch
 import mt_grpo_trainer as M
 from conftest import ROOT, recipe_cfg, toy_error
 from test_env import ScriptedSampler
+from test_templates import FIX, Turns, qwen3  # noqa: F401 (a fixture)
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 
@@ -242,3 +244,111 @@ def test_rewards_must_be_real_numbers(tmp_path):
     for junk in ("1.0", None, torch.tensor([1.0, 2.0]), [1.0]):
         with pytest.raises(M.RewardError, match="not a number but a"):
             M.score(eps, [lambda completions, **_: [junk] * 4], [1.0])
+
+
+# --- a working folder that moves, plug-ins that edit what they are given, reward functions that never return ---
+
+def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny_model_dir, monkeypatch):
+    """Every path the run writes later is made absolute at set-up: a relative output_dir stays where it was."""
+    from test_env import tool_call
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    (tmp_path / "cd.py").write_text(f'import os\n\ndef lookup(key: str) -> str:\n    """Look up, then move away."""\n'
+                                    f'    os.chdir({str(elsewhere)!r})\n    return "v"\n')
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=2",
+                     f"tools=[{tmp_path}/cd.py:lookup]", "prompts_per_step=2", "num_generations=2", "log_episodes_steps=1")
+    script = [tool_call("a"), "<answer>v</answer>"]
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, script))
+    monkeypatch.chdir(home)                          # restored at teardown
+    cfg.output_dir = "run"
+    history = M.train(cfg)
+    assert os.getcwd() == str(elsewhere) and all(h["rollout/tool_calls"] > 0 for h in history), "the tool moved us"
+    run = home / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert {json.loads(x)["step"] for x in (run / "episodes.jsonl").read_text().splitlines()} == {1, 2}
+    assert (run / "checkpoint-2" / "trainer_state.pt").is_file() and not (elsewhere / "run").exists()
+    assert not (home / "run.lock").exists(), "the lock was found again and removed"
+    assert M.load_config(str(run / "config.yaml")).output_dir == str(run), "config.yaml records the folder used"
+
+
+def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, tmp_path, monkeypatch):
+    from tests.vllm_standin import StandinServer
+    (tmp_path / "vllm.log").write_text("the engine died: out of memory\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")   # run.sh's default is relative, too
+    with StandinServer(tiny_model_dir) as srv:
+        client = M.VLLMServerClient(M.load_config(None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01",
+                                                         f"output_dir={tmp_path}/run"]), srv.vocab_size)
+    os.chdir(tmp_path.parent)
+    client.check_alive(OSError("refused"))           # the server is gone: from now on it is down
+    time.sleep(0.05)
+    with pytest.raises(M.SamplerError, match="has not been healthy") as e:
+        client.check_alive(OSError("refused"))
+    assert f"Last lines of the server's log ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
+
+
+def test_a_reward_function_that_edits_what_it_is_given_changes_nothing_else():
+    row = {"prompt": "q", "answer": "v", "aliases": ["v", "w"]}
+    eps = [M.new_episode(row, "") for _ in range(2)]    # a group's episodes share their dataset row, as in training
+    for ep in eps:
+        ep.messages.append({"role": "assistant", "content": "<answer>v</answer>"})
+    before, seen = copy.deepcopy([(ep.messages, ep.row) for ep in eps]), []
+
+    def vandal(completions, answer, aliases, **columns):
+        completions[0][0]["content"] = "edited"
+        completions[1].append({"role": "user", "content": "added"})
+        answer[0], columns["prompt"][1] = "x", "y"
+        aliases[0].append("z")
+        return [0.0, 0.0]
+
+    def witness(completions, **columns):
+        seen.append((completions, columns))
+        return [1.0, 1.0]
+
+    assert M.score(eps, [vandal, witness], [1.0, 1.0]) == [1.0, 1.0]
+    assert [(ep.messages, ep.row) for ep in eps] == before, "what episodes.jsonl records is what was sampled"
+    done = [{"role": "assistant", "content": "<answer>v</answer>"}]
+    assert seen == [([done, done], {"prompt": ["q", "q"], "answer": ["v", "v"], "aliases": [["v", "w"], ["v", "w"]]})]
+
+
+@pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (the real Qwen3 tokenizer)")
+def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
+    """Native calls keep the parsed arguments in the assistant message, which the next prompt renders."""
+    def tag(keys: list) -> str:
+        """Tags keys (and edits the list it was given)."""
+        keys.append("edited")
+        return "tagged"
+
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "tag", "arguments": {"keys": ["a"]}}\n</tool_call>'
+    sampler = Turns(qwen3, [enc(call), enc("<think>\ny\n</think>\n\nDone.")])
+    cfg = M.Config(system_prompt="", tool_format="native", tokenization_check="strict")
+    [ep] = M.MultiTurnToolEnv(qwen3, [tag], cfg).rollout([{"prompt": "q"}], sampler)
+    assert ep.messages[1]["tool_calls"][0]["function"]["arguments"] == {"keys": ["a"]}
+    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw, as sampled"
+
+
+def test_a_reward_function_that_never_returns_stops_the_run_in_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Bounded by reward_timeout at start-up (check_rewards scores two episodes) and in the loop (four)."""
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("import os\nimport threading\n\nrelease = threading.Event()\n\n\ndef stuck(completions, **_):\n"
+                     "    if len(completions) > int(os.environ['STUCK_ABOVE']):\n        release.wait()\n"
+                     "    return [0.0] * len(completions)\n")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}   # a failed train() keeps its own
+    try:
+        for above, model in (("0", tmp_path / "never_built"), ("2", tiny_model_dir)):
+            monkeypatch.setenv("STUCK_ABOVE", above)
+            t = time.time()
+            with pytest.raises(SystemExit):
+                M.main([TOY, f"output_dir={tmp_path}/run{above}", f"outcome_reward_funcs=[{stuck}:stuck]",
+                        "reward_timeout=1", f"model_name_or_path={model}", "model_builder=", "prompts_per_step=2",
+                        "num_generations=2", "max_tokens=8"])
+            err = capsys.readouterr().err
+            assert [x for x in err.splitlines() if x.startswith("mt-grpo: error")] == [
+                f"mt-grpo: error: reward function 'stuck' ({stuck}) did not return within reward_timeout=1.0s; "
+                "saved checkpoints are unaffected"] and "Traceback" not in err and time.time() - t < 30, err
+        assert not (tmp_path / "never_built").exists(), "at start-up: before any model work"
+    finally:
+        M.load_object(f"{stuck}:release").set()
+        for s, h in handlers.items():
+            signal.signal(s, h)
