@@ -1295,13 +1295,6 @@ def main(argv=None):
         raise
 
 
-def exit_now(code: int):
-    """Exit without waiting on collectives or worker threads another rank might never finish."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code) if dist.is_initialized() or "RANK" in os.environ else sys.exit(code)
-
-
 # APPENDIX: plumbing ###################################################################################
 # Nothing below changes the method; read it when you change how a run is set up, logged, sampled, distributed or saved.
 
@@ -2077,6 +2070,13 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
         import datetime
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
     return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
+
+
+def exit_now(code: int):
+    """Exit without waiting on collectives or worker threads another rank might never finish."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code) if dist.is_initialized() or "RANK" in os.environ else sys.exit(code)
 
 
 def free_port() -> int:
