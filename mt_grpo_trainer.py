@@ -385,7 +385,7 @@ def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: f
     total = [0.0] * len(episodes)
     for fn, w in zip(funcs, weights):
         name = getattr(fn, "__name__", str(fn))
-        where = f"reward function '{name}' ({inspect.getsourcefile(fn)})"
+        where = f"reward function '{name}' ({getattr(getattr(fn, '__code__', None), 'co_filename', type(fn).__name__)})"
         own, cols = copy.deepcopy((completions, columns))
         fut = reward_pool().submit(functools.partial(fn, own, **cols))
         try:
@@ -394,8 +394,9 @@ def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: f
             reward_pool().add_worker()   # that worker may never come back: abandon it, keep the pool's size
             raise e if isinstance(e, Stopped) else RewardError(
                 f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected") from None
-        if err:
-            raise RewardError(f"{where} raised {type(err).__name__}: {err}  (dataset columns: {', '.join(columns)})") from err
+        if err:   # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
+            hint = "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
+            raise RewardError(f"{where} raised {type(err).__name__}: {err}{hint}  (dataset columns: {', '.join(columns)})") from err
         vals = fut.result()
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
             raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
@@ -1228,7 +1229,7 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     for i in range(0, len(mine), chunk):
         eps += run.env.rollout(mine[i:i + chunk], run.sampler, greedy=True)
     if eps:
-        score(eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout, run.stop)
+        score(eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout)   # bounded; a signal waits for the step's end
     records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
                 "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
                for i, ep in enumerate(eps)]
@@ -1334,9 +1335,10 @@ class Run:
         self.sampler.policy_version = version
         m = {"time/weight_sync": time.time() - t}
         if self.cfg.sync_check_max_diff > 0:   # every rank runs the forward (FSDP); rank 0 asks the server
-            ids = torch.tensor([self.probe_ids], device=self.device)
-            with torch.no_grad():   # float32: the trainer's own change on the probe is exact
-                own = token_logprobs(self.model, ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+            ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
+            with torch.no_grad():   # float32: the trainer's own change on the probe is exact; no dropout, as the server
+                own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+            self.model.train(was)
             stats = [0.0] * 5   # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
             if self.main:
                 srv = torch.tensor(self.sampler.prompt_logprobs(self.probe_ids))
@@ -1382,6 +1384,8 @@ class Run:
             raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
+        ok = [i for i, p in enumerate(processed) if math.isfinite(p)]   # not a token at the edge of the trainer's nucleus
+        srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
         n, to_raw, to_processed = all_sum(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
         if to_raw < to_processed / 2:   # clearly closer to the raw ones
             raise SamplerError(f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
@@ -1403,7 +1407,9 @@ class Run:
 
     def save_and_stop(self, step: int):
         """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
-        path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
+        if not (path == os.path.abspath(self.src) or step > self.start and every and step % every == 0):   # not saved yet
+            path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
         self.say(f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
                  f"{path}; continue with resume_from_checkpoint=auto")
 
@@ -1576,7 +1582,12 @@ def build_model_if_missing(cfg: Config, say):
         tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        load_object(cfg.model_builder, "model builder")(tmp, system_prompt=system_prompt)
+        builder = load_object(cfg.model_builder, "model builder")
+        try:
+            builder(tmp, system_prompt=system_prompt)
+        except Exception as e:   # nothing half-built is left, and the next run builds again
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
         os.replace(tmp, cfg.model_name_or_path)
     report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
     if os.path.isfile(report_path):

@@ -59,6 +59,19 @@ def test_a_broken_reward_fails_before_any_model_work(tmp_path, body, message, ca
     assert not (tmp_path / "never_built").exists(), "no model work happened"
 
 
+@pytest.mark.parametrize("make", ["functools.partial(score, 0)", "Score()"])
+def test_a_reward_that_is_a_partial_or_a_callable_object_is_named_when_it_fails(tmp_path, make, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import functools\ndef score(x, completions, **columns):\n    return ['high'] * len(completions)\n"
+                   "class Score:\n    def __call__(self, completions, **columns):\n        return score(0, completions)\n"
+                   f"bad = {make}\n")
+    with pytest.raises(SystemExit):
+        M.main(["hf_recipes/toy/toy-kv--mt-grpo.yaml", f"output_dir={tmp_path}/run", f"outcome_reward_funcs=[{bad}:bad]",
+                f"model_name_or_path={tmp_path}/never_built", "model_builder="])
+    err = capsys.readouterr().err
+    assert "returned 'high' for episode 0, not a number" in err and "Traceback" not in err, err
+
+
 def test_a_dataset_without_the_columns_a_reward_needs_is_named(tmp_path, capsys):
     needs = tmp_path / "needs.py"
     needs.write_text("def needs_gold(completions, gold, **columns):\n    return [0.0] * len(completions)\n")

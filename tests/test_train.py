@@ -86,9 +86,9 @@ def test_a_missing_model_is_built_whole_or_not_at_all(tmp_path, capsys, monkeypa
     cfg = recipe_cfg(tmp_path, f"model_name_or_path={model}", f"model_builder={tmp_path}/builder.py:build",
                      "system_prompt=Tools: {tools}")
     monkeypatch.setenv("BUILD_FAILS", "1")
-    with pytest.raises(RuntimeError, match="out of disk"):
+    with pytest.raises(M.ConfigError, match=r"model builder .* failed: RuntimeError: out of disk \(.*builder.py, line 5\)"):
         M.build_model_if_missing(cfg, print)
-    assert not model.exists()
+    assert not model.exists() and not (tmp_path / "model.tmp").exists()
     monkeypatch.delenv("BUILD_FAILS")
     M.build_model_if_missing(cfg, print)
     assert sorted(os.listdir(model)) == ["build_report.json"] and not (tmp_path / "model.tmp").exists()

@@ -1,6 +1,7 @@
 """VLLMServerClient against the vLLM 0.33 stand-in (tests/vllm_standin.py) on 127.0.0.1: the fields
 it sends, n for a group's first turn, max_tokens clamping, every fault, weight sync, and training."""
 import json
+import math
 import os
 import sys
 import threading
@@ -342,3 +343,31 @@ def test_lora_against_a_server_without_lora_stops_at_the_first_sync_and_says_how
     assert "HTTP 404" in str(e.value) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(e.value)
     assert [r["path"] for r in server.requests].count("/v1/load_lora_adapter") == 1
     assert not completions(server), "nothing was sampled from weights the server does not have"
+
+
+def test_the_logprobs_mode_check_passes_a_token_at_the_edge_of_the_trainers_nucleus(tiny, tmp_path):
+    """The server draws from its own (bf16) nucleus: a token just outside the trainer's gets -inf there and must not
+    make a server that returns processed logprobs look like one that returns raw ones."""
+    model, tok = tiny
+    cfg = recipe_cfg(tmp_path, "temperature=0.7", "top_p=0.9")
+    prompt = tok.encode("hello there", add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    lp, raw = torch.log_softmax(logits / 0.7, -1), torch.log_softmax(logits, -1)
+    kept = M.top_p_filter(lp, 0.9)
+    inside, edge = int(lp.argmax()), int(lp.masked_fill(kept.isfinite(), -math.inf).argmax())   # the best one left out
+    replies = {"processed": [(inside, kept[inside]), (edge, lp[edge]), (inside, kept[inside]), (inside, kept[inside])],
+               "raw": [(inside, raw[inside])] * 4}
+
+    class Sampler:   # a server whose nucleus held one token more than the trainer's
+        url, mode = "http://server", "processed"
+
+        def generate(self, prompts, max_tokens, temperature, top_p):
+            return [M.Completion([t], [float(x)], "length") for t, x in replies[self.mode]]
+
+    run = M.Run(cfg, 0, 1, torch.device("cpu"))
+    run.sampler, run.model = Sampler(), model
+    run.check_logprobs_mode(prompt)   # before: the edge token's infinite distance refused this server
+    run.sampler.mode = "raw"
+    with pytest.raises(M.SamplerError, match="--logprobs-mode processed_logprobs"):
+        run.check_logprobs_mode(prompt)
