@@ -135,8 +135,11 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   # DEV_MODE: /pause, /resume, /collective_rpc for weight sync. processed_logprobs: logprobs after
   # temperature and top_p, the distribution the trainer scores. generation-config vllm: no hidden
   # sampling defaults from the model's generation_config.json.
-  # setsid: the server and the processes it starts (EngineCore, workers) form one process group, stopped as one
-  setsid env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
+  # setsid: the server and the processes it starts (EngineCore, workers) form one process group, stopped as one.
+  # A watcher in that group ends it too if run.sh itself is killed outright (a SIGKILL runs no trap).
+  setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
+    kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ \
+    env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm ${extra[@]+"${extra[@]}"} >"$LOG" 2>&1 &
   VLLM_PID=$!
   trap stop_server EXIT
@@ -158,10 +161,11 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   done
   echo "[run.sh] vLLM is healthy at $CFG_vllm_server_url after $(( $(date +%s) - t0 )) s"
   ARGS+=("vllm_server_url=$CFG_vllm_server_url")
-  export MTGRPO_VLLM_LOG=$LOG   # a trainer that finds the server dead shows the log's last lines
+  export MTGRPO_VLLM_LOG=$(realpath -m "$LOG")   # absolute (a tool may change folder): a trainer that finds the server dead shows the log's last lines
 }
 
 stop_server() {   # the server's whole process group, also when its main process died alone: TERM, 20 s, then KILL
+  trap '' INT TERM HUP   # a second Ctrl-C does not cut the stop short
   kill -TERM -- -"$VLLM_PID" 2>/dev/null || return 0
   local i; for i in $(seq 40); do kill -0 -- -"$VLLM_PID" 2>/dev/null || return 0; sleep 0.5; done
   echo "[run.sh] the vLLM server did not stop within 20 s of SIGTERM: killing it" >&2
@@ -224,8 +228,8 @@ echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
   mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!
-trap 'pkill -TERM -P $TRAIN_PID || kill -TERM $TRAIN_PID' TERM   # (no rank yet: torchrun itself)
-trap 'pkill -INT -P $TRAIN_PID || kill -INT $TRAIN_PID' INT
+trap 'pkill -TERM -P $TRAIN_PID || kill -TERM $TRAIN_PID 2>/dev/null || true' TERM HUP   # (no rank yet: torchrun)
+trap 'pkill -INT -P $TRAIN_PID || kill -INT $TRAIN_PID 2>/dev/null || true' INT
 status=0
 while true; do
   wait $TRAIN_PID && status=0 || status=$?

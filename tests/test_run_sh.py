@@ -206,7 +206,8 @@ def vllm_group(server) -> tuple[int, int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode() and int(d) != server.proc.pid:
+        if (b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode() and int(d) != server.proc.pid
+                and not argv[0].endswith(b"bash")):   # not run.sh's watcher of the server's group
             pgid = os.getpgid(int(d))
             deadline = time.time() + 30
             while len(group_of(pgid)) < 2 and time.time() < deadline:
@@ -236,6 +237,34 @@ def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
             srv.proc.wait()
+
+
+def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
+    """SIGKILL runs no trap: run.sh's watcher in the server's process group stops the server (here the stand-in behind
+    a fake `vllm serve`, with a child of its own) once run.sh is gone."""
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\nsleep 600 &\nexec {sys.executable} {ROOT}/tests/vllm_standin.py --model \"$2\" "
+                                 f"--port \"$MTGRPO_VLLM_PORT\" --max-model-len 512\n")
+    port = M.free_port()
+    p = subprocess.Popen(["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
+                          "model_builder="], cwd=ROOT, env=sh_env(tmp_path, bin_dir, port), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    group = None
+    try:
+        deadline = time.time() + 120
+        while not port_open(port) and time.time() < deadline:
+            time.sleep(0.2)
+        assert port_open(port), "the stand-in did not start"
+        group = next(os.getpgid(int(d)) for d in filter(str.isdigit, os.listdir("/proc"))
+                     if os.path.exists(f"/proc/{d}/cmdline") and b"vllm_standin.py" in open(f"/proc/{d}/cmdline", "rb").read())
+        assert group != os.getpgid(p.pid) and len(group_of(group)) >= 3   # watcher, stand-in, its child
+        p.kill()
+        p.wait(timeout=10)
+        assert not group_of(group, wait=15), "the server outlived run.sh"
+    finally:
+        for g in (p.pid, group):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.killpg(g, signal.SIGKILL)
+        p.wait()
 
 
 def test_a_bench_stopped_by_sigterm_stops_its_servers_whole_process_group(tmp_path):
