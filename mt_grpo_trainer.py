@@ -328,8 +328,7 @@ class Episode:
     rewards: dict[str, float] = field(default_factory=dict)
     turn_reward: float = 0.0
     outcome_reward: float = 0.0
-    adv_before: float = 0.0
-    adv_after: float = 0.0
+    advantages: list[float] = field(default_factory=list)  # one per assistant turn (ep.turns): its tokens' advantage
     raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
     forced: str = ""                                        # text the generation prompt forced on the next turn
     boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
@@ -421,7 +420,7 @@ def check_rewards(rows: list[dict], funcs: list, system_prompt: str, timeout: fl
     score(eps, funcs, [1.0] * len(funcs), timeout)
 
 
-# --- advantages: one group's rewards -> per-episode advantages (before, after) the first tool result
+# --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
@@ -433,54 +432,52 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     return centred / (r.std(ddof=1) + 1e-4) if scale else centred
 
 
-def mt_grpo_advantages(turn_R, outcome_R, coef: float, scale: bool):
-    """MT-GRPO (paper Eq. 5): before = A_O + coef * A_T, after = A_O."""
-    a_o = group_normalize(outcome_R, scale)
-    return a_o + coef * group_normalize(turn_R, scale), a_o
+def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """MT-GRPO (paper Eq. 5): A_O + coef * A_T on the turns before the first tool result (every turn without one),
+    A_O on the later ones."""
+    a_o = group_normalize(outcome_R, cfg.scale_rewards)
+    a_t = cfg.turn_advantage_coef * group_normalize(turn_R, cfg.scale_rewards)
+    return [[float(o + t if ep.first_result_turn is None or i < ep.first_result_turn else o) for i in range(len(ep.turns))]
+            for ep, o, t in zip(episodes, a_o, a_t)]
 
 
-def grpo_outcome_advantages(turn_R, outcome_R, coef: float, scale: bool):
-    """GRPO-OR: the outcome reward only, on every token."""
-    a = group_normalize(outcome_R, scale)
-    return a, a
+def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """GRPO-OR: the outcome reward only, on every turn."""
+    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, group_normalize(outcome_R, cfg.scale_rewards))]
 
 
-def grpo_merged_advantages(turn_R, outcome_R, coef: float, scale: bool):
-    """GRPO-MR: turn and outcome rewards merged into one scalar, on every token."""
-    a = group_normalize(np.add(turn_R, outcome_R), scale)
-    return a, a
+def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """GRPO-MR: turn and outcome rewards merged into one scalar, on every turn."""
+    merged = group_normalize(np.add(turn_R, outcome_R), cfg.scale_rewards)
+    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, merged)]
 
 
-# advantage_mode -> fn(turn_R, outcome_R, coef, scale) -> (before, after), one value per episode of a group.
-# A new mode is one function and one entry here (also from outside: M.ADVANTAGE_MODES["mine"] = fn).
+# advantage_mode -> fn(episodes, turn_R, outcome_R, cfg) -> one list per episode of a group, one advantage per assistant
+# turn (ep.turns). A new mode is one function and one entry here (also from outside: M.ADVANTAGE_MODES["mine"] = fn).
 ADVANTAGE_MODES = {"mt_grpo": mt_grpo_advantages, "grpo_outcome": grpo_outcome_advantages,
                    "grpo_merged": grpo_merged_advantages}
 
 
-def episode_advantages(turn_R, outcome_R, mode: str, coef: float, scale: bool = True):
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"unknown advantage_mode {mode!r}; known: {', '.join(ADVANTAGE_MODES)}")
-    return ADVANTAGE_MODES[mode](turn_R, outcome_R, coef, scale)
-
-
-def token_advantages(turn_idx, loss_mask, before: float, after: float, split_turn) -> list[float]:
-    """Per-token advantage: `before` on tokens of turns before `split_turn` (the first assistant turn after a tool
-    result; None = no tool result, so every turn is 'before'), `after` on later ones, 0 on untrained tokens."""
-    split = math.inf if split_turn is None else split_turn
-    return [float(m) * (before if t < split else after) for t, m in zip(turn_idx, loss_mask)]
+def token_advantages(turn_idx, loss_mask, advantages: list[float]) -> list[float]:
+    """Per-token advantage: a token's advantage is its assistant turn's (`turn_idx` indexes `advantages`), 0 on
+    untrained tokens."""
+    return [advantages[t] if m else 0.0 for t, m in zip(turn_idx, loss_mask)]
 
 
 def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: list[float], cfg: Config):
     """The heart of the method: per GRPO group (num_generations consecutive episodes), then per token.
-    Writes each episode's rewards and its two advantages, and every sample's per-token advantages."""
+    Writes each episode's rewards and its per-turn advantages, and every sample's per-token advantages."""
     G = cfg.num_generations
     for g in range(0, len(episodes), G):
-        before, after = episode_advantages(turn_R[g:g + G], outcome_R[g:g + G], cfg.advantage_mode,
-                                           cfg.turn_advantage_coef, cfg.scale_rewards)
-        for ep, tr, orr, b, a in zip(episodes[g:g + G], turn_R[g:g + G], outcome_R[g:g + G], before, after):
-            ep.turn_reward, ep.outcome_reward, ep.adv_before, ep.adv_after = tr, orr, float(b), float(a)
+        group = episodes[g:g + G]
+        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, turn_R[g:g + G], outcome_R[g:g + G], cfg)
+        if [len(a) for a in per_turn] != [len(ep.turns) for ep in group]:
+            raise ConfigError(f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
+                              f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns")
+        for ep, tr, orr, adv in zip(group, turn_R[g:g + G], outcome_R[g:g + G], per_turn):
+            ep.turn_reward, ep.outcome_reward, ep.advantages = tr, orr, [float(a) for a in adv]
             for s in ep.samples:
-                s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.adv_before, ep.adv_after, ep.first_result_turn)
+                s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.advantages)
 
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
@@ -1113,11 +1110,11 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         # 2. reward: a turn-level and an outcome-level scalar per episode
         turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop)
         outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop)
-        # 3. advantage: normalised within each group, then split per token at the first tool result
+        # 3. advantage: normalised within each group, one per assistant turn, which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         drawn += outcome_R
         groups = [episodes[g:g + G] for g in range(0, len(episodes), G)]
-        flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(e.adv_before or e.adv_after for e in g)]
+        flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
         kept += [g for g in groups if not any(g is f for f in flat)]
         missing = len(run.batch(step)) // G - len(kept)
         if not missing or draw == cfg.max_filter_draws:
@@ -1648,11 +1645,14 @@ def add_lora(model, cfg: Config, src: str = ""):
 
 def episode_metrics(eps: list[Episode]) -> dict:
     """This rank's rewards, advantages and rollout statistics for one step."""
+    # adv/*: the mean |advantage| of the assistant turns before the first tool result (every turn without one), and after
+    before = [abs(a) for ep in eps for a in ep.advantages[:ep.first_result_turn]]
+    after = [abs(a) for ep in eps if ep.first_result_turn for a in ep.advantages[ep.first_result_turn:]]
     return {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
             "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
             **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
-            "adv/before_abs": float(np.mean([abs(ep.adv_before) for ep in eps])),
-            "adv/after_abs": float(np.mean([abs(ep.adv_after) for ep in eps])), **rollout_metrics(eps)}
+            "adv/before_abs": float(np.mean(before)) if before else 0.0,
+            "adv/after_abs": float(np.mean(after)) if after else 0.0, **rollout_metrics(eps)}
 
 
 def rollout_metrics(eps: list[Episode]) -> dict:
@@ -1699,10 +1699,9 @@ class ToolCollapseAlarm:
 
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
     same = ("messages", "end_reason", "tool_calls", "tool_errors", "forks", "realigns", "boundaries", "tokenization_mismatches",
-            "rewards", "turn_reward", "outcome_reward")   # recorded under the Episode field's own name
+            "rewards", "turn_reward", "outcome_reward", "advantages", "first_result_turn")   # under the field's own name
     return {"step": step, "episode": i, "group": i // cfg.num_generations, **{k: getattr(ep, k) for k in same},
-            "advantage_before_result": ep.adv_before, "advantage_after_result": ep.adv_after,
-            "first_result_turn": ep.first_result_turn, "samples": [{k: getattr(s, k) for k in (
+            "samples": [{k: getattr(s, k) for k in (
                 "input_ids", "loss_mask", "sampler_logprobs", "advantages", "turn_idx", "versions")} for s in ep.samples]}
 
 

@@ -136,14 +136,14 @@ def test_dynamic_sampling_drops_groups_without_spread_and_draws_more(tmp_path, t
     for m in hist:
         step = [e for e in eps if e["step"] == m["step"]]
         assert len(step) == 8, "a step always trains prompts_per_step groups"
-        flat = {e["group"] for e in step if e["messages"] and e["advantage_after_result"] == 0 == e["advantage_before_result"]}
+        flat = {e["group"] for e in step if e["messages"] and not any(e["advantages"])}
         assert m["rollout/extra_draws"] <= 4 * draws and m["rollout/groups_filtered"] >= len(flat)
         assert m["reward/outcome_before_filter"] >= m["reward/outcome"], "filtered groups (all 1.0) count before the filter"
         if draws == 0:
             assert m["rollout/extra_draws"] == 0 and len(flat) == m["rollout/groups_filtered"], "filled back in"
     if draws:
         assert sum(m["rollout/groups_filtered"] for m in hist) > 0 and sum(m["rollout/extra_draws"] for m in hist) > 0
-        flat_trained = [e for e in eps if e["advantage_after_result"] == 0 == e["advantage_before_result"]]
+        flat_trained = [e for e in eps if not any(e["advantages"])]
         assert len(flat_trained) < len(eps) / 4, "with redraws, most trained groups have spread"
 
 

@@ -10,10 +10,10 @@ from test_env import ScriptedSampler
 from test_train import run_cfg
 
 
-def positive_only(turn_R, outcome_R, coef, scale):
-    """A made-up mode: reinforce only episodes better than their group, on every token."""
-    a = np.clip(M.group_normalize(np.add(turn_R, outcome_R), scale), 0.0, None)
-    return a, a
+def positive_only(episodes, turn_R, outcome_R, cfg):
+    """A made-up mode: reinforce only episodes better than their group, on every turn."""
+    a = np.clip(M.group_normalize(np.add(turn_R, outcome_R), cfg.scale_rewards), 0.0, None)
+    return [[x] * len(ep.turns) for ep, x in zip(episodes, a)]
 
 
 def sum_over_tokens(per_token, mask, seq_tokens, num_tokens, num_seqs):
@@ -32,8 +32,8 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
     assert len(calls) == 2, "called once per GRPO group (prompts_per_step=2)"
     assert hist[0]["loss/grad_norm"] > 0
     recs = [json.loads(x) for x in open(tmp_path / "ext" / "episodes.jsonl")]
-    want = np.concatenate([positive_only(*c)[0] for c in calls])
-    np.testing.assert_allclose([r["advantage_before_result"] for r in recs], want)
+    want = [adv for c in calls for adv in positive_only(*c)]
+    assert [r["advantages"] for r in recs] == want and any(map(any, want))
     assert all(a >= 0 for r in recs for s in r["samples"] for a in s["advantages"])
 
 

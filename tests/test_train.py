@@ -19,9 +19,8 @@ def length_parity(completions, **_):
 
 
 def check_episode_record(rec, tok):
-    assert {"messages", "rewards", "turn_reward", "outcome_reward", "advantage_before_result",
-            "advantage_after_result", "first_result_turn", "samples", "end_reason"} <= set(rec)
-    split = rec["first_result_turn"]
+    assert {"messages", "rewards", "turn_reward", "outcome_reward", "advantages", "first_result_turn", "samples",
+            "end_reason"} <= set(rec)
     assistant = "".join(m["content"] for m in rec["messages"] if m["role"] == "assistant")
     for s in rec["samples"]:
         n = len(s["input_ids"])
@@ -30,8 +29,7 @@ def check_episode_record(rec, tok):
             if not m:
                 assert a == 0 and lp == 0 and t == -1
             else:
-                want = rec["advantage_before_result"] if split is None or t < split else rec["advantage_after_result"]
-                assert a == pytest.approx(want) and lp <= 0
+                assert a == rec["advantages"][t] and lp <= 0, "a token's advantage is its turn's"
         # what was trained decodes to text the model wrote (its EOS aside)
         trained = tok.decode([i for i, m in zip(s["input_ids"], s["loss_mask"]) if m]).replace(tok.eos_token, "")
         assert trained.replace("\n", "") in assistant.replace("\n", "")
