@@ -24,7 +24,8 @@ def _sim_search(query: str) -> str:
     return f"Results for {query}: 42 is the answer."
 
 
-# How a scripted turn writes a search call and a final answer in each tool format: what a model would sample.
+# How a scripted turn writes a search call and a final answer in each tool format: what a model would sample. A format
+# registered from outside the trainer gives its own: call_text(query), a call of _sim_search, and answer_text(answer).
 SCRIPTED = {"xml": (lambda q: "<tool>" + json.dumps({"name": "_sim_search", "args": {"query": q}}) + "</tool>",
                     lambda answer: f"<answer>{answer}</answer>"),
             "native": (lambda q: "<tool_call>\n" + json.dumps({"name": "_sim_search", "arguments": {"query": q}}) + "\n</tool_call>",
@@ -32,9 +33,9 @@ SCRIPTED = {"xml": (lambda q: "<tool>" + json.dumps({"name": "_sim_search", "arg
 
 
 def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[M.Episode, list]:
-    """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS
-    where the protocol ends turns with it), ("user", text) is a new user query. Returns the episode
-    and the (prompt, sampled ids) pairs the sampler would have seen."""
+    """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS unless
+    one of the format's stop strings ends it, as a sampler returns them), ("user", text) is a new user query.
+    Returns the episode and the (prompt, sampled ids) pairs the sampler would have seen."""
     ep = env.new_episode({"prompt": "What is six times seven?"})
     seen = []
     for role, text in script:
@@ -42,7 +43,8 @@ def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos
             ep.messages.append({"role": "user", "content": text})
             continue
         prompt = env.next_prompt(ep)
-        ids = env.tok.encode(text, add_special_tokens=False) + ([eos_id] if env.fmt.eos_ends_turn and eos_id is not None else [])
+        eos = [eos_id] if eos_id is not None and not text.endswith(env.fmt.stop) else []   # a stop string: no EOS
+        ids = env.tok.encode(text, add_special_tokens=False) + eos
         seen.append((prompt, ids))
         env.run_tools([(ep, call) for call in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
         ep.done = False

@@ -416,7 +416,7 @@ def check_rewards(rows: list[dict], funcs: list, system_prompt: str, timeout: fl
     column or returns junk stops the run at once."""
     eps = [new_episode(r, system_prompt) for r in rows[:2]]
     for ep in eps:
-        ep.messages.append({"role": "assistant", "content": "<reasoning>.</reasoning>\n<answer>.</answer>"})
+        ep.messages.append({"role": "assistant", "content": "."})   # a reply in no tool format: rewards must score it
     score(eps, funcs, [1.0] * len(funcs), timeout)
 
 
@@ -568,7 +568,7 @@ def parse_json(payload: str):
 class XMLTools:
     """The paper's protocol: <reasoning>, then <tool>{"name", "args"}</tool> or <answer>...</answer>.
     Generation stops at </tool> or </answer>; a result comes back as a user message <result>...</result>."""
-    args_key, stop, eos_ends_turn = "args", ("</tool>", "</answer>"), False
+    args_key, stop = "args", ("</tool>", "</answer>")
 
     def __init__(self, tools):
         self.schemas = None   # the tools are described in the system prompt instead
@@ -581,6 +581,9 @@ class XMLTools:
     def result(self, text: str) -> dict:
         return {"role": "user", "content": f"<result>\n{text}\n</result>"}
 
+    def is_result(self, m: dict) -> bool:
+        return m["role"] == "user" and m["content"].startswith("<result>")
+
     def is_answer(self, text: str) -> bool:
         return bool(re.search(r"<answer>.*?</answer>", text, re.S))
 
@@ -588,7 +591,7 @@ class XMLTools:
 class NativeTools:
     """The chat template's own tool calling: JSON schemas in, <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes)
     calls out, results as role 'tool'. Generation stops at EOS; a turn without a call is the answer."""
-    args_key, stop, eos_ends_turn = "arguments", (), True
+    args_key, stop = "arguments", ()
 
     def __init__(self, tools):
         self.schemas = [tool_schema(f) for f in tools] if tools else None
@@ -606,12 +609,15 @@ class NativeTools:
     def result(self, text: str) -> dict:
         return {"role": "tool", "content": text}
 
+    def is_result(self, m: dict) -> bool:
+        return m["role"] == "tool"
+
     def is_answer(self, text: str) -> bool:
         return True
 
 
-# tool_format -> a class with: schemas, stop, args_key, eos_ends_turn, parse, result, is_answer.
-# A new format is one small class and one entry here.
+# tool_format -> a class with: schemas, stop, args_key, parse, result, is_result (a message is one of its tool results,
+# not a user query), is_answer; check-template also calls call_text, answer_text. A new format: a class, an entry here.
 TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 
 
@@ -637,16 +643,6 @@ def system_prompt_for(cfg: Config, tools: list) -> str:
     lines = [f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
              for t in tools]   # name, signature, first paragraph of the docstring
     return cfg.system_prompt.replace("{tools}", "\n".join(lines))
-
-
-def is_env_reply(m: dict) -> bool:
-    """A tool result (native role 'tool', or the XML protocol's <result> user message), not a user query."""
-    return m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<result>"))
-
-
-def is_query(m: dict) -> bool:
-    """A user query: a user message that is not a tool result."""
-    return m["role"] == "user" and not is_env_reply(m)
 
 
 # === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
@@ -712,6 +708,10 @@ class MultiTurnToolEnv:
         """The ids' text, normalised as the tokenizer reads text (as a re-encoding gives it); ids stay as sampled."""
         return self.norm(self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
+    def is_query(self, m: dict) -> bool:
+        """A user query: a user message that is not one of the tool format's results."""
+        return m["role"] == "user" and not self.fmt.is_result(m)
+
     def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
         template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
@@ -720,8 +720,8 @@ class MultiTurnToolEnv:
         if mode == "all":
             return set(raw)
         if mode == "tool_cycle":
-            last_query = max((i for i, m in enumerate(messages) if is_query(m)), default=-1)
-            if any(is_env_reply(m) for m in messages[last_query + 1:]):
+            last_query = max((i for i, m in enumerate(messages) if self.is_query(m)), default=-1)
+            if any(map(self.fmt.is_result, messages[last_query + 1:])):
                 return {i for i in raw if i > last_query}
         return set()
 
@@ -778,7 +778,7 @@ class MultiTurnToolEnv:
         text = (self.bridge(ep, s) if s else None) or self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         if s:
-            boundary = "user" if any(map(is_query, ep.messages[max(ep.raw, default=-1) + 1:])) else "tool"
+            boundary = "user" if any(map(self.is_query, ep.messages[max(ep.raw, default=-1) + 1:])) else "tool"
             extends = text.startswith(s.text)
             keep = None if extends else self.realign_point(s, text)
             gone = sum(s.loss_mask[keep[0]:]) if keep else 0   # the last turn's sampled tokens REALIGN untrains
@@ -815,9 +815,9 @@ class MultiTurnToolEnv:
         last = max(ep.raw)   # the sampled assistant message
         new = ep.messages[last:]
         if (self.bridge_checks < 0 or self.cfg.thinking_retention != "template" or self.cfg.thinking_compaction_turns
-                or any(map(is_query, new))):
+                or any(map(self.is_query, new))):
             return None
-        query = max((i for i in range(last) if is_query(ep.messages[i])), default=0)
+        query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
         render = functools.partial(self.tok.apply_chat_template, tools=self.schemas, tokenize=False,
                                    **self.cfg.chat_template_kwargs)
         stub = [ep.messages[i] for i in sorted({0, query})]

@@ -37,30 +37,69 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
     assert all(a >= 0 for r in recs for s in r["samples"] for a in s["advantages"])
 
 
-class BracketTools(M.XMLTools):
-    """A made-up protocol: [call] name arg [/call] and [answer] ... [/answer]; results as role 'tool'."""
-    stop = ("[/call]", "[/answer]")
+class BracketTools:
+    """A made-up protocol, written from the interface above TOOL_FORMATS alone: [call] name key=value [/call] and
+    [answer] ... [/answer]; a result comes back as a user message [[result]] ... [[/result]], not XML's <result>."""
+    args_key, stop = "args", ("[/call]", "[/answer]")
+
+    def __init__(self, tools):
+        self.schemas = None
 
     def parse(self, text):
         if "[call]" not in text:
             return {"role": "assistant", "content": text}, []
         name, _, arg = text.split("[call]", 1)[1].split("[/call]")[0].strip().partition(" ")
-        return {"role": "assistant", "content": text}, [{"name": name, "args": {"key": arg}}]
+        key, _, value = arg.partition("=")
+        return {"role": "assistant", "content": text}, [{"name": name, "args": {key: value}}]
 
     def result(self, text):
-        return {"role": "user", "content": f"<result>\n{text}\n</result>"}
+        return {"role": "user", "content": f"[[result]]\n{text}\n[[/result]]"}
+
+    def is_result(self, m):
+        return m["role"] == "user" and m["content"].startswith("[[result]]")
 
     def is_answer(self, text):
         return "[answer]" in text
 
+    def call_text(self, query):   # check-template's scripted turns
+        return f"[call] _sim_search query={query} [/call]"
 
-def test_a_registered_tool_format_drives_the_environment(tok, tmp_path, monkeypatch):
+    def answer_text(self, answer):
+        return f"[answer]{answer}[/answer]"
+
+
+CALLS = ["[call] lookup key=golf [/call]", "[call] lookup key=alpha [/call]"]
+
+
+def test_a_registered_tool_format_owns_what_its_results_look_like(tok, tmp_path, monkeypatch):
+    """Its results are user messages in its own wrapper: each tool boundary is labelled 'tool' and extends (one
+    sample), the bridge builds those prompts, and thinking_retention=tool_cycle sees the tool cycle."""
+    import check_template as CT
     from tools.kv_lookup import TABLE, lookup
     monkeypatch.setitem(M.TOOL_FORMATS, "bracket", BracketTools)
     cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}", "tool_format=bracket"])
     env = M.MultiTurnToolEnv(tok, [lookup], cfg)
-    sampler = ScriptedSampler(tok, ["[call] lookup golf [/call]", f"[answer]{TABLE['golf']}[/answer]"])
-    [ep] = env.rollout([{"prompt": "q"}], sampler)
-    assert env.stop == ("[/call]", "[/answer]") and ep.tool_calls == 1 and ep.tool_errors == 0
-    assert ep.completion[1]["content"] == f"<result>\n{TABLE['golf']}\n</result>" and ep.end_reason == "answer"
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, CALLS + [f"[answer]{TABLE['golf']}[/answer]"]))
+    assert env.stop == ("[/call]", "[/answer]") and ep.tool_calls == 2 and ep.tool_errors == 0
+    assert ep.completion[1]["content"] == f"[[result]]\n{TABLE['golf']}\n[[/result]]" and ep.end_reason == "answer"
+    assert ep.boundaries == [{"turn": t, "kind": "tool", "extends": True, "realigned": 0} for t in (1, 2)]
     assert len(ep.samples) == 1 and ep.first_result_turn == 1
+    assert env.bridge_checks == 2, "both tool boundaries' prompts were bridged (and equal to the full rendering)"
+    cfg.thinking_retention = "tool_cycle"
+    assert env.verbatim_turns(ep.messages, ep.raw) == set(ep.raw), "the three turns are one tool cycle"
+    assert env.verbatim_turns(ep.messages + [{"role": "user", "content": "And?"}], ep.raw) == set()
+    # check-template scripts the format with its own call_text and answer_text
+    r = CT.check_template(tok, "tool_cycle", "bracket")
+    assert [b["kind"] for b in r["boundaries"]] == ["tool", "tool", "user", "tool"] * 2 and r["violations"] == []
+
+
+def test_a_registered_tool_format_trains_a_step(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(M.TOOL_FORMATS, "bracket", BracketTools)
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, CALLS + ["[answer]v[/answer]"]))
+    bridged, bridge = [], M.MultiTurnToolEnv.bridge
+    monkeypatch.setattr(M.MultiTurnToolEnv, "bridge", lambda env, ep, s: bridged.append(bridge(env, ep, s)) or bridged[-1])
+    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "fmt", "max_steps=1", "log_episodes_steps=1", "tool_format=bracket"))
+    assert hist[0]["rollout/tool_calls"] > 0 and hist[0]["rollout/samples_per_episode"] == 1
+    recs = [json.loads(x) for x in open(tmp_path / "fmt" / "episodes.jsonl")]
+    assert {b["kind"] for r in recs for b in r["boundaries"]} == {"tool"}
+    assert bridged and None not in bridged, "every tool boundary's prompt was bridged"

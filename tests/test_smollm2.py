@@ -62,7 +62,7 @@ def test_smollm2_triviaqa_two_steps_on_cpu(tmp_path, monkeypatch):
         assert ep["messages"][0]["role"] == "system"
         assert "wiki_search(query: str)" in ep["messages"][0]["content"]      # {tools} was filled in
         assert ep["messages"][n_prompt]["role"] == "assistant"
-        own = [m["content"] for m in ep["messages"][n_prompt:] if M.is_env_reply(m)]
+        own = [m["content"] for m in ep["messages"][n_prompt:] if M.XMLTools([]).is_result(m)]
         texts = [RESULT.match(c).group(1) for c in own]
         assert len(texts) == ep["tool_calls"], ep["messages"]
         assert sum(t.startswith("Error: ") for t in texts) == ep["tool_errors"]
