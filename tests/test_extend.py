@@ -24,6 +24,43 @@ def sum_over_tokens(per_token, mask, seq_tokens, num_tokens, num_seqs):
     return (per_token * mask).sum() / max(num_seqs, 1)
 
 
+class CopySampler(M.LocalSampler):
+    """A made-up sampler with weights of its own, as a server has: the in-process decode loop on a copy of the policy,
+    which sync_weights loads the trainer's weights into and probe_logprobs scores the probe with."""
+    policy_version = 0
+
+    def __init__(self, model, tok):
+        super().__init__(copy.deepcopy(model).eval(), tok)
+        self.synced, self.closed = [], False
+
+    def sync_weights(self, model, state_dict, version):
+        self.model.load_state_dict(state_dict)
+        self.policy_version = version
+        self.synced.append(version)
+
+    def probe_logprobs(self, ids):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return M.token_logprobs(self.model, x, torch.ones_like(x), 1.0)[0, 1:].tolist()
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_new_sampler_is_a_class_and_the_line_that_picks_it(tmp_path, tiny_model_dir, monkeypatch):
+    """The class stands where setup()'s line builds the in-process sampler: the loop syncs it at set-up and after every
+    update, checks it on the probe and closes it, as it does a server, without asking which sampler it has."""
+    made = []
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: made.append(CopySampler(model, tok)) or made[-1])
+    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "copy", "max_steps=2"))
+    [sampler] = made
+    assert sampler.synced == [0, 1, 2] and sampler.policy_version == 2 and sampler.closed
+    assert all(m["sync/probe_change"] > 0 for m in hist), "the weights moved"
+    assert all(m["sync/probe_logprob_diff"] < 1e-6 for m in hist), "and the copy followed them"
+    M.train(run_cfg(tmp_path, tiny_model_dir, "copy-eval", "eval_max_examples=2"), eval_only=True)
+    assert made[-1].synced == [0] and made[-1].closed, "evaluation syncs its sampler and closes it too"
+
+
 def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path, tiny_model_dir, monkeypatch):
     calls = []
     monkeypatch.setitem(M.ADVANTAGE_MODES, "positive_only", lambda *a: calls.append(a) or positive_only(*a))
@@ -67,40 +104,3 @@ def test_a_registered_tool_format_drives_the_environment(tok, tmp_path, monkeypa
     assert env.stop == ("[/call]", "[/answer]") and ep.tool_calls == 1 and ep.tool_errors == 0
     assert ep.completion[1]["content"] == f"<result>\n{TABLE['golf']}\n</result>" and ep.end_reason == "answer"
     assert len(ep.samples) == 1 and ep.first_result_turn == 1
-
-
-class CopySampler(M.LocalSampler):
-    """A made-up sampler with weights of its own, as a server has: the in-process decode loop on a copy of the policy,
-    which sync_weights loads the trainer's weights into and probe_logprobs scores the probe with."""
-    policy_version = 0
-
-    def __init__(self, model, tok):
-        super().__init__(copy.deepcopy(model).eval(), tok)
-        self.synced, self.closed = [], False
-
-    def sync_weights(self, model, state_dict, version):
-        self.model.load_state_dict(state_dict)
-        self.policy_version = version
-        self.synced.append(version)
-
-    def probe_logprobs(self, ids):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            return M.token_logprobs(self.model, x, torch.ones_like(x), 1.0)[0, 1:].tolist()
-
-    def close(self):
-        self.closed = True
-
-
-def test_a_new_sampler_is_a_class_and_the_line_that_picks_it(tmp_path, tiny_model_dir, monkeypatch):
-    """The class stands where setup()'s line builds the in-process sampler: the loop syncs it at set-up and after every
-    update, checks it on the probe and closes it, as it does a server, without asking which sampler it has."""
-    made = []
-    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: made.append(CopySampler(model, tok)) or made[-1])
-    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "copy", "max_steps=2"))
-    [sampler] = made
-    assert sampler.synced == [0, 1, 2] and sampler.policy_version == 2 and sampler.closed
-    assert all(m["sync/probe_change"] > 0 for m in hist), "the weights moved"
-    assert all(m["sync/probe_logprob_diff"] < 1e-6 for m in hist), "and the copy followed them"
-    M.train(run_cfg(tmp_path, tiny_model_dir, "copy-eval", "eval_max_examples=2"), eval_only=True)
-    assert made[-1].synced == [0] and made[-1].closed, "evaluation syncs its sampler and closes it too"
