@@ -1198,8 +1198,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             t1 = time.time()
             m = train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, cfg, run.pad_id)
             t_train = time.time() - t1
-            # 5. sync: a vLLM server samples from the new weights from now on
-            if cfg.vllm_server_url and (step + 1) % cfg.sync_every == 0:
+            # 5. sync: a sampler with weights of its own (a vLLM server) samples from the new ones from now on
+            if (step + 1) % cfg.sync_every == 0:
                 m.update(run.sync(step + 1))
                 run.rollouts.advance()
             # 6. log: every rank's means, averaged on rank 0; evaluate when due
@@ -1319,17 +1319,19 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
-        """The server samples from the current weights from now on; then two checks on a fixed probe sequence (a failed,
-        partial or skipped reload would otherwise train silently off-policy): the server's logprobs match the trainer's
-        (another model, a broken reload), and their change since the last judged sync follows the trainer's (a reload
-        that did nothing: one step moves logprobs less than the bf16 gap the first check must allow)."""
+        """A sampler with weights of its own (a server) samples from the current ones from now on; then two checks on
+        a fixed probe sequence (a failed, partial or skipped reload would otherwise train silently off-policy): the
+        server's logprobs match the trainer's (another model, a broken reload), and their change since the last judged
+        sync follows the trainer's (a reload that did nothing: one step moves logprobs less than the bf16 gap)."""
+        if self.sampler.policy_version is None:   # in-process: it samples from the weights being trained
+            return {}
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
-        if self.main:
-            self.sampler.sync_weights(self.model, sd, version)
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.main:
+            dist.barrier()   # the other ranks follow once rank 0's call returned: the server holds the new weights
+        self.sampler.sync_weights(self.model, sd if self.main else None, version)
+        if dist.is_initialized() and self.main:
             dist.barrier()
-        self.sampler.policy_version = version
         m = {"time/weight_sync": time.time() - t}
         if self.cfg.sync_check_max_diff > 0:   # every rank runs the forward (FSDP); rank 0 asks the server
             ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
@@ -1338,7 +1340,7 @@ class Run:
             self.model.train(was)
             stats = [0.0] * 5   # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
             if self.main:
-                srv = torch.tensor(self.sampler.prompt_logprobs(self.probe_ids))
+                srv = torch.tensor(self.sampler.probe_logprobs(self.probe_ids))
                 stats[0] = float((srv - own).abs().mean())
                 self.probe_ref = self.probe_ref or (version, srv, own, stats[0])   # the first sync: the first reference
                 stats[4], ref_srv, ref_own, ref_gap = self.probe_ref
@@ -1423,10 +1425,9 @@ class Run:
             self.steps.close()
             if self.logger.wandb:
                 self.logger.wandb.finish()
-            if self.cfg.vllm_server_url and self.main:
-                self.sampler.cleanup()
             if self.main:
                 summarize(self.cfg, history)
+        self.sampler.close()
         if self.lock:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.lock.name)
@@ -1465,19 +1466,13 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
-    if cfg.vllm_server_url:
-        run.sampler = VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop)
-        run.say(f"[mt-grpo] sampling from {run.sampler.url} ({run.sampler.model}, max_model_len {run.sampler.max_model_len})")
-        if run.sampler.max_model_len < cfg.max_seq_len:
-            run.say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
-        prompt = run.env.render(run.env.new_episode(run.rows[0]).messages, {})
-        prompt_ids = run.tokenizer.encode(prompt, add_special_tokens=False)
-        run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
-        run.sync(run.start)   # the server may hold other weights (another run's, or not this checkpoint's)
-        if not eval_only:   # eval is greedy: its logprobs are not used
-            run.check_logprobs_mode(prompt_ids)
-    else:
-        run.sampler = LocalSampler(run.model, run.tokenizer)
+    run.sampler = (VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop, run.say)
+                   if cfg.vllm_server_url else LocalSampler(run.model, run.tokenizer))   # a new sampler: a line here
+    prompt_ids = run.env.enc(run.env.render(run.env.new_episode(run.rows[0]).messages, {}))
+    run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
+    run.sync(run.start)   # a server may hold other weights (another run's, or not this checkpoint's)
+    if not eval_only and run.sampler.policy_version is not None:   # eval is greedy; in-process they are the trainer's
+        run.check_logprobs_mode(prompt_ids)
     if eval_only:
         return run
     run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
@@ -1766,10 +1761,17 @@ def summarize(cfg: Config, history: list[dict]):
 
 
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
+# What the loop uses of a sampler (LocalSampler, VLLMServerClient; a new one is a class and one line in setup()):
+# - generate(prompts, max_tokens, temperature, top_p, stop, generator) -> one Completion per prompt, in order;
+# - policy_version: None if it samples from the weights being trained (nothing to sync or check), else the version of
+#   its weights, which only sync_weights(model, state_dict, version) sets: rank 0's call with the full state dict, the
+#   others' with None once it returned; then probe_logprobs(ids), rank 0's, the logprobs of ids[1:] at temperature 1;
+# - close(): at the end of a run, on every rank.
 
 class LocalSampler:
     """In-process sampler on the policy itself (on-policy, no weight sync): a KV-cache decode loop whose logprobs,
     log-softmax(logits / temperature) top-p filtered, are exactly the distribution each token was drawn from."""
+    policy_version = None   # the weights being trained, always current
 
     def __init__(self, model, tokenizer):
         self.model, self.tok, self.eos_ids = model, tokenizer, eos_ids(model, tokenizer)
@@ -1817,6 +1819,9 @@ class LocalSampler:
         model.train(was_training)
         return out
 
+    def close(self):
+        """Nothing to release: the model is the trainer's."""
+
 
 def top_p_filter(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p (always the top one); renormalise."""
@@ -1838,7 +1843,7 @@ class VLLMServerClient:
     `request_deadline`; a dead server stops the run after `server_dead_timeout`. A reply without token ids or
     logprobs, or with ids outside the vocabulary, is an error: vLLM ignores misspelt fields (I6)."""
 
-    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop: threading.Event | None = None):
+    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop: threading.Event | None = None, say=print):
         self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.local = threading.local()   # one requests.Session per worker thread
@@ -1854,6 +1859,9 @@ class VLLMServerClient:
         self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
         self.model, self.max_model_len = info["id"], int(info["max_model_len"])
+        say(f"[mt-grpo] sampling from {self.url} ({self.model}, max_model_len {self.max_model_len})")
+        if self.max_model_len < cfg.max_seq_len:
+            say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
 
     def request(self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, plain: bool = False,
                 **kw) -> dict:
@@ -1941,7 +1949,7 @@ class VLLMServerClient:
             raise SamplerError(f"{self.url}/v1/completions returned {len(choices)} choices for n={n}")
         return [self.completion(c, version) for c in choices]
 
-    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.
         Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
         body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
@@ -1966,8 +1974,11 @@ class VLLMServerClient:
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
         return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
-    def sync_weights(self, model, state_dict: dict, version: int):
-        """Rank 0, after an optimizer step: make the server sample from `state_dict` from now on."""
+    def sync_weights(self, model, state_dict: dict | None, version: int):
+        """Make the server sample from `state_dict` (rank 0), then name `version` in requests (every rank)."""
+        if state_dict is None:   # the ranks other than 0, once rank 0's call returned
+            with self.weight_update(version, pause=False):
+                return
         if self.cfg.weight_sync == "nccl":
             return self.sync_weights_nccl(state_dict, version)
         path = os.path.join(self.sync_dir, f"step_{version}")   # a fresh folder every time (vLLM #32718)
@@ -1995,32 +2006,35 @@ class VLLMServerClient:
         on; a request already sent keeps its own. The last max_staleness + 2 adapters stay loaded, older ones go."""
         name = self.model_for(version)
         try:
-            self.request("POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True,   # in place: a retry, or a
-                         json={"lora_name": name, "lora_path": path, "load_inplace": True})   # resumed run, is harmless
+            with self.weight_update(version, pause=False):   # beside the old adapters: nothing to pause
+                self.request("POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True,   # in place: a retry, or a
+                             json={"lora_name": name, "lora_path": path, "load_inplace": True})   # resumed run, is harmless
         except SamplerError as e:
             raise SamplerError(f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
                                "rank >= lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (run.sh adds them)") from None
-        self.policy_version, self.adapters = version, self.adapters + [(name, path)]
+        self.adapters.append((name, path))
         while len(self.adapters) > self.cfg.max_staleness + 2:
             self.request("POST", "/v1/unload_lora_adapter", plain=True, json={"lora_name": self.adapters.pop(0)[0]})
         self.cleanup(keep=[os.path.basename(p) for _, p in self.adapters])
 
     @contextlib.contextmanager
-    def weight_update(self, version: int):
-        """Around either sync path: nothing is generated while weights change, no KV of the old weights is reused (neither
-        sync path resets the prefix cache itself), and the server always resumes. On-policy, requests in flight are
-        aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep) and go on under the new weights
-        after the resume: partial rollouts, their tokens' logprobs those of the weights that sampled them. The new
-        cache_salt, set before the resume, keeps new requests off the old weights' prefix cache."""
+    def weight_update(self, version: int, pause: bool = True):
+        """Around every sync, the one place policy_version changes. With `pause` (a reload) nothing is generated while
+        weights change, no old KV is reused (neither path resets the prefix cache itself), the server always resumes.
+        On-policy, requests in flight are aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep)
+        and go on under the new weights after the resume: partial rollouts, their tokens' logprobs those of the weights
+        that sampled them. The new cache_salt, set before the resume, keeps new requests off the old prefix cache."""
         keep = self.cfg.max_staleness > 0
-        self.request("POST", "/pause", params={"mode": "keep" if keep else "abort", "clear_cache": str(not keep).lower()})
+        if pause:
+            self.request("POST", "/pause", params={"mode": "keep" if keep else "abort", "clear_cache": str(not keep).lower()})
         try:
             yield
-            if not keep:
+            if pause and not keep:
                 self.request("POST", "/reset_prefix_cache")
             self.policy_version = version
         finally:
-            self.request("POST", "/resume")
+            if pause:
+                self.request("POST", "/resume")
 
     def sync_weights_nccl(self, state_dict: dict, version: int):
         """vLLM's native weight transfer: rank 0 joins the server's workers in an NCCL group once, then broadcasts
@@ -2054,6 +2068,8 @@ class VLLMServerClient:
             with contextlib.suppress(SamplerError):
                 self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True,
                              json={"lora_name": self.adapters.pop()[0]})
+
+    close = cleanup   # at the end of a run: no folder kept, this run's adapters unloaded
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -17,6 +17,7 @@ def char_ids(tok, text):
 
 class ScriptedSampler:
     """Returns scripted turns as non-canonical token ids with made-up logprobs; records every prompt."""
+    policy_version = None   # as the in-process sampler: nothing to sync
 
     def __init__(self, tok, script, finish=None):
         self.tok, self.script, self.finish = tok, script, finish or {}
@@ -31,6 +32,9 @@ class ScriptedSampler:
             self.sent.append(ids)
             outs.append(M.Completion(ids, [-0.01 * (j + 1) for j in range(len(ids))], self.finish.get(k, "stop")))
         return outs
+
+    def close(self):
+        pass
 
 
 def tool_call(key):

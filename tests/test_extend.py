@@ -1,9 +1,12 @@
 """Extension points are one place each: an advantage mode, a loss aggregation and a tool format are
-registered from outside the file, accepted by the config, and used by a real training step."""
+registered from outside the file, accepted by the config, and used by a real training step; a sampler is one class
+behind the written interface (section C) and the line in setup() that picks it."""
+import copy
 import json
 
 import numpy as np
 import pytest
+import torch
 
 import mt_grpo_trainer as M
 from test_env import ScriptedSampler
@@ -19,6 +22,43 @@ def positive_only(episodes, turn_R, outcome_R, cfg):
 def sum_over_tokens(per_token, mask, seq_tokens, num_tokens, num_seqs):
     """A made-up aggregation: the plain sum over trained tokens, divided by the batch's samples."""
     return (per_token * mask).sum() / max(num_seqs, 1)
+
+
+class CopySampler(M.LocalSampler):
+    """A made-up sampler with weights of its own, as a server has: the in-process decode loop on a copy of the policy,
+    which sync_weights loads the trainer's weights into and probe_logprobs scores the probe with."""
+    policy_version = 0
+
+    def __init__(self, model, tok):
+        super().__init__(copy.deepcopy(model).eval(), tok)
+        self.synced, self.closed = [], False
+
+    def sync_weights(self, model, state_dict, version):
+        self.model.load_state_dict(state_dict)
+        self.policy_version = version
+        self.synced.append(version)
+
+    def probe_logprobs(self, ids):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return M.token_logprobs(self.model, x, torch.ones_like(x), 1.0)[0, 1:].tolist()
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_new_sampler_is_a_class_and_the_line_that_picks_it(tmp_path, tiny_model_dir, monkeypatch):
+    """The class stands where setup()'s line builds the in-process sampler: the loop syncs it at set-up and after every
+    update, checks it on the probe and closes it, as it does a server, without asking which sampler it has."""
+    made = []
+    monkeypatch.setattr(M, "LocalSampler", lambda model, tok: made.append(CopySampler(model, tok)) or made[-1])
+    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "copy", "max_steps=2"))
+    [sampler] = made
+    assert sampler.synced == [0, 1, 2] and sampler.policy_version == 2 and sampler.closed
+    assert all(m["sync/probe_change"] > 0 for m in hist), "the weights moved"
+    assert all(m["sync/probe_logprob_diff"] < 1e-6 for m in hist), "and the copy followed them"
+    M.train(run_cfg(tmp_path, tiny_model_dir, "copy-eval", "eval_max_examples=2"), eval_only=True)
+    assert made[-1].synced == [0] and made[-1].closed, "evaluation syncs its sampler and closes it too"
 
 
 def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path, tiny_model_dir, monkeypatch):

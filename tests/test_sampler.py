@@ -1,4 +1,5 @@
 """LocalSampler: sampled ids, logprobs under the sampling distribution, finish reasons, stop strings."""
+import pytest
 import torch
 
 import mt_grpo_trainer as M
@@ -81,3 +82,15 @@ def test_greedy_and_top_p(tiny):
     want = nucleus.gather(-1, torch.tensor(c.ids)[:, None]).squeeze(-1)
     assert torch.isfinite(want).all()                     # every sampled token was inside the nucleus
     torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_the_in_process_sampler_shares_the_weights_so_a_sync_copies_and_checks_nothing(tiny, tmp_path, monkeypatch):
+    """The loop syncs every sampler alike; the in-process one has no version (it samples from the weights being
+    trained), so a sync is free: no state copy, no probe, no metric."""
+    from tests.conftest import recipe_cfg
+    model, tok = tiny
+    run = M.Run(recipe_cfg(tmp_path), 0, 1, torch.device("cpu"))
+    run.sampler, run.model = M.LocalSampler(model, tok), model
+    monkeypatch.setattr(M, "full_state", lambda *a, **k: pytest.fail("a state copy"))
+    assert run.sync(1) == {} and run.sampler.policy_version is None
+    run.sampler.close()

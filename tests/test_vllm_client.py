@@ -202,6 +202,32 @@ def test_nccl_sync_follows_vllms_native_weight_transfer_protocol(tiny_model_dir,
     assert client.policy_version == 2
 
 
+def test_a_lora_sync_and_the_other_ranks_change_only_the_version_and_pause_nothing(tmp_path, monkeypatch):
+    """policy_version changes in one place (weight_update), after what the server needs: a LoRA sync (the new adapter
+    loads beside the old ones) and the other ranks' call (None: rank 0's already returned) pause nothing, and a load
+    the server refuses leaves the version as it was."""
+    calls, refuse = [], []
+
+    def request(self, method, path, **kw):
+        calls.append(path)
+        if path == "/v1/load_lora_adapter" and refuse:
+            raise M.SamplerError("HTTP 404")
+        return {"data": [{"id": "base", "max_model_len": 64}]} if path == "/v1/models" else {"text": ""}
+    monkeypatch.setattr(M.VLLMServerClient, "request", request)
+    adapter = type("Adapter", (), {"save_pretrained": lambda self, path, state_dict: os.makedirs(path)})()
+    cfg = M.load_config(None, ["vllm_server_url=http://127.0.0.1:9", f"weight_sync_dir={tmp_path}/shm",
+                               f"output_dir={tmp_path}/run", "lora_rank=4"])
+    rank0, rank1 = M.VLLMServerClient(cfg, 100), M.VLLMServerClient(cfg, 100)
+    rank0.sync_weights(adapter, {}, 1)
+    rank1.sync_weights(None, None, 1)
+    assert calls == ["/v1/models", "/v1/models", "/v1/load_lora_adapter"]
+    assert rank0.policy_version == rank1.policy_version == 1 and rank0.model_for(1) == rank0.adapters[-1][0]
+    refuse.append(1)
+    with pytest.raises(M.SamplerError, match="needs a server started with --enable-lora"):
+        rank0.sync_weights(adapter, {}, 2)
+    assert rank0.policy_version == 1 and "/pause" not in calls
+
+
 def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     """A run that stops on an error while requests are in flight exits at once: the client's workers are
     daemons, so the interpreter does not wait out their request_timeout."""
