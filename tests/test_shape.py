@@ -12,8 +12,8 @@ APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX
 
 def test_the_file_and_its_read_path_stay_short():
     assert APPENDIX < 1300, f"the read path (before the appendix) is {APPENDIX} lines; cap 1,300"
-    # 2,556 with every tested feature and the written sampler, tool-format and advantage interfaces. It may not grow: simplify
-    # to add.
+    # 2,556 with every tested feature and the written sampler, tool-format and advantage interfaces. It may not
+    # grow: simplify to add.
     assert len(LINES) <= 2556, f"mt_grpo_trainer.py is {len(LINES)} lines: simplify before adding"
 
 
