@@ -2,6 +2,7 @@ import contextlib
 import fcntl
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -15,6 +16,7 @@ import mt_grpo_trainer as M  # noqa: E402
 from tasks import toy_kv  # noqa: E402
 
 
+TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}   # file -> sort key; every other file (1) goes between
 
 
@@ -89,6 +91,19 @@ def toy_error(capsys, tmp_path, *overrides):
     the run would stop at the model, not train."""
     return main_error(capsys, "hf_recipes/toy/toy-kv--mt-grpo.yaml", "model_builder=",
                       f"model_name_or_path={tmp_path}/none", f"output_dir={tmp_path}/run", *overrides)
+
+
+def cli(*args, timeout=300):
+    """`mt_grpo_trainer.py ARGS` in a subprocess, from the project folder."""
+    return subprocess.run([sys.executable, "mt_grpo_trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(r, *needles):
+    """`r` (from cli) exited 1 with one error line holding every needle, and no traceback."""
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    line = [x for x in r.stderr.splitlines() if x.startswith("mt-grpo: error")]
+    assert len(line) == 1 and all(n in line[0] for n in needles), r.stderr[-2000:]
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,21 @@
-"""Config: recipe keys map 1:1 to the dataclass, bad keys and types fail clearly, overrides work."""
+"""Config and what a recipe names. Recipe keys map 1:1 to the dataclass and overrides work; an unknown key, a wrong
+type, a value out of its range, a key written twice or text that is not valid YAML stops the run before anything
+runs, in one line naming it. What a recipe names fails at load in one line naming the file (and line): a plug-in
+that is missing, fails on import or could only fail later (async def, a generator, not callable, a name used
+twice), a dataset file or function, a prompt of the wrong shape, a model that cannot be loaded. The docs made
+from Config are current, and every relative link in the docs resolves. (The shipped recipes: test_recipes.py.)"""
 import dataclasses
 import glob
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import main_error, toy_error
+from conftest import TOY, cli, main_error, one_line_error, toy_error
 
 
 def write(tmp_path, text):
@@ -64,18 +71,38 @@ def test_every_field_has_a_default_and_a_docstring():
         assert docs.get(f.name, "").strip(), f"Config.{f.name} has no docstring"
 
 
-@pytest.mark.parametrize("recipe", sorted(glob.glob("hf_recipes/**/*.yaml", recursive=True)))
-def test_every_shipped_recipe_loads_and_its_plugins_resolve(recipe):
-    cfg = M.load_config(recipe)
-    for spec in cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs:
-        assert callable(M.load_object(spec))
+@pytest.mark.parametrize("override,message", [
+    ("temperature=0", "temperature must be in (0, 2], got 0"), ("temperature=-1", "temperature must be in (0, 2]"),
+    ("epsilon=-0.1", "epsilon must be in [0, 1], got -0.1"), ("max_steps=-1", "max_steps must be >= 1, got -1"),
+    ("top_p=0", "top_p must be in (0, 1], got 0"), ("prompts_per_step=0", "prompts_per_step must be >= 1, got 0"),
+    ("learning_rate=nan", "learning_rate must be > 0, got 'nan'"), ("learning_rate=inf", "learning_rate must be > 0"),
+    ("adam_betas=[0.9, 1.0]", "adam_betas must be in [0, 1)"), ("vllm_gpu_memory_utilization=1.5", "must be in (0, 1]")])
+def test_values_out_of_range_fail_before_anything_runs(tmp_path, override, message):
+    r = cli(TOY, override, f"output_dir={tmp_path}/run")
+    one_line_error(r, message)
+    assert not (tmp_path / "run").exists(), "nothing was written: not even config.yaml"
 
 
-def test_missing_plugin_file_and_function_are_named():
-    with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
-        M.load_object("rewards/nope.py:f", "reward")
-    with pytest.raises(M.ConfigError, match="reward 'nope' not found in rewards/toy_kv_reward.py"):
-        M.load_object("rewards/toy_kv_reward.py:nope", "reward")
+def test_every_numeric_key_has_its_range_and_help_shows_it():
+    import dataclasses
+    import typing
+    ranges, hints = M.field_ranges(), typing.get_type_hints(M.Config)
+    numeric = [f.name for f in dataclasses.fields(M.Config) if hints[f.name] in (int, float, list[float])]
+    assert sorted(ranges) == sorted(numeric)
+    for f in dataclasses.fields(M.Config):   # every default is inside its own range
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert f.name not in ranges or all(M.in_range(x, ranges[f.name]) for x in np.atleast_1d(default)), f.name
+    h = cli("--help")
+    assert "temperature (float, default 1.0, range (0, 2])" in h.stdout
+
+
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(open(TOY).read() + "learning_rate: 1.0e-2\n")
+    first = next(i for i, x in enumerate(open(TOY).read().splitlines()) if x.startswith("learning_rate:")) + 1
+    last = len(recipe.read_text().splitlines())
+    with pytest.raises(M.ConfigError, match=f"recipe key 'learning_rate' is set twice, on lines {first} and {last} of {recipe}"):
+        M.load_config(str(recipe))
 
 
 @pytest.mark.parametrize("recipe,override,needles", [
@@ -92,6 +119,21 @@ def test_a_recipe_or_override_that_is_not_valid_yaml_is_one_line_naming_the_line
     (tmp_path / "r.yaml").write_bytes(recipe)
     err = main_error(capsys, str(tmp_path / "r.yaml"), *[override] * bool(override))
     assert all(n in err for n in needles), err
+
+
+def test_cli_reports_config_errors_without_a_traceback():
+    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "bogus_key=1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown config key 'bogus_key'" in r.stderr and "Traceback" not in r.stderr
+    h = subprocess.run([sys.executable, "mt_grpo_trainer.py", "--help"], capture_output=True, text=True, timeout=120)
+    assert h.returncode == 0 and "turn_advantage_coef" in h.stdout and "lambda: weight of the turn advantage" in h.stdout
+
+
+def test_missing_plugin_file_and_function_are_named():
+    with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
+        M.load_object("rewards/nope.py:f", "reward")
+    with pytest.raises(M.ConfigError, match="reward 'nope' not found in rewards/toy_kv_reward.py"):
+        M.load_object("rewards/toy_kv_reward.py:nope", "reward")
 
 
 @pytest.mark.parametrize("source,needles", [
@@ -112,6 +154,44 @@ def test_a_plugin_that_fails_on_import_is_one_line_naming_its_file_and_line(tmp_
     assert M.load_object(f"{p}:f", "tool")("k") == "k"
 
 
+PLUGINS = """
+async def lookup(key: str) -> str:
+    return key
+
+class Tool:
+    __name__ = "tool"
+    async def __call__(self, key: str) -> str:
+        return key
+
+tool = Tool()
+NOT_A_FUNCTION = "lookup"
+
+async def reward(completions, **kw):
+    return [1.0] * len(completions)
+
+def stream(completions, **kw):
+    yield 1.0
+"""
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("tools=[tools/kv_lookup.py:lookup, {p}:lookup]",
+     "tool '{p}:lookup' is an async def or a generator, not a function that returns its result; write it as a plain"),
+    ("tools=[{p}:tool]", "tool '{p}:tool' is an async def or a generator"),
+    ("tools=[{p}:NOT_A_FUNCTION]", "tool '{p}:NOT_A_FUNCTION' is a str, not a function"),
+    ("outcome_reward_funcs=[{p}:reward]", "reward function '{p}:reward' is an async def or a generator"),
+    ("turn_reward_funcs=[{p}:stream]", "reward function '{p}:stream' is an async def or a generator"),
+    ("tools=[tools/kv_lookup.py:lookup, {d}/other.py:lookup]",
+     "tools 'tools/kv_lookup.py:lookup' and '{d}/other.py:lookup' are both named 'lookup'; rename one"),
+])
+def test_tools_and_rewards_that_could_only_fail_later_fail_at_load(tmp_path, capsys, override, needle):
+    (tmp_path / "plugins.py").write_text(PLUGINS)
+    (tmp_path / "other.py").write_text("def lookup(key: str) -> str:\n    return 'other'\n")
+    fmt = dict(p=tmp_path / "plugins.py", d=tmp_path)
+    err = toy_error(capsys, tmp_path, override.format(**fmt))
+    assert needle.format(**fmt) in err, err
+
+
 def test_a_dataset_function_that_raises_is_one_line_naming_its_line(tmp_path, capsys):
     (tmp_path / "data.py").write_text("def rows():\n    return [{'prompt': q} for q in open('/no/such/file')]\n")
     err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/data.py:rows")
@@ -119,12 +199,58 @@ def test_a_dataset_function_that_raises_is_one_line_naming_its_line(tmp_path, ca
     assert f"({tmp_path}/data.py, line 2); fix it there" in err, err
 
 
-def test_cli_reports_config_errors_without_a_traceback():
-    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "bogus_key=1"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "unknown config key 'bogus_key'" in r.stderr and "Traceback" not in r.stderr
-    h = subprocess.run([sys.executable, "mt_grpo_trainer.py", "--help"], capture_output=True, text=True, timeout=120)
-    assert h.returncode == 0 and "turn_advantage_coef" in h.stdout and "lambda: weight of the turn advantage" in h.stdout
+def test_dataset_rows_must_share_their_columns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": "x"}\n{"prompt": "b"}\n')
+    with pytest.raises(M.ConfigError, match=r"row 1 lacks column\(s\) answer that row 0 does not; every row needs"):
+        M.load_rows(str(path))
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "answer": "x"}\n')
+    with pytest.raises(M.ConfigError, match=r"row 1 has column\(s\) answer that row 0 does not"):
+        M.load_rows(str(path))
+
+
+@pytest.mark.parametrize("data,needle", [
+    (b'{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c",}\n',
+     "d.jsonl, line 4, column 16: not JSON (Expecting property name"),
+    (b'{"prompt": "a"}\n\n["b"]\n', "d.jsonl', line 3: row 1 is ['b'], not an object with a 'prompt'"),
+    (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+     "d.jsonl, line 2: byte 15 of the line is not UTF-8 (invalid continuation byte); save the file as UTF-8"),
+])
+def test_a_jsonl_dataset_that_does_not_parse_is_one_line_naming_the_files_line(tmp_path, capsys, data, needle):
+    (tmp_path / "d.jsonl").write_bytes(data)
+    err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/d.jsonl")
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    (5, "has prompt 5;"), ("  ", "has prompt '  ';"), ([], "has prompt [];"),
+    ({"role": "user", "content": "q"}, "has prompt {'role': 'user', 'content': 'q'};"),
+    ([{"role": "user", "content": "q"}, {"role": "user"}], "has prompt message 1: {'role': 'user'};"),
+    ([{"role": "user", "content": None}], "has prompt message 0: {'role': 'user', 'content': None};"),
+    (["q"], "has prompt message 0: 'q';")])
+def test_every_prompt_is_a_string_or_a_list_of_messages_checked_at_load(tmp_path, capsys, prompt, needle):
+    rows = [{"prompt": "fine"}, {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [{"prompt": prompt}]) + "\n")
+    err = toy_error(capsys, tmp_path, f"eval_dataset={tmp_path}/d.jsonl")
+    assert f"dataset '{tmp_path}/d.jsonl', line 3: row 2 {needle} a prompt must be a non-empty string" in err, err
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [{"answer": 1}]) + "\n")
+    err = toy_error(capsys, tmp_path, f"dataset={tmp_path}/d.jsonl")
+    assert "line 3: row 2 is {'answer': 1}, not an object with a 'prompt' column" in err, err
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert M.load_rows(str(tmp_path / "d.jsonl")) == rows
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line_saying_what_was_tried(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)   # no network: only the local cache
+    for path in ("./models/none-here", f"{tmp_path}/no/such/model"):
+        err = toy_error(capsys, tmp_path, f"model_name_or_path={path}")
+        assert f"model_name_or_path '{path}' does not exist (no such folder); set it to a model folder" in err, err
+    err = toy_error(capsys, tmp_path, "model_name_or_path=mt-grpo-tests/no-such-model")
+    assert "AutoTokenizer cannot load 'mt-grpo-tests/no-such-model' as a hub id (no such folder): We couldn" in err
+    (tmp_path / "empty").mkdir()
+    err = toy_error(capsys, tmp_path, f"model_name_or_path={tmp_path}/empty")
+    assert f"cannot load '{tmp_path}/empty' from that folder:" in err and "saved by save_pretrained" in err, err
 
 
 def test_the_recipe_key_table_is_current_and_the_readme_shows_the_ci_command():

@@ -1,6 +1,8 @@
 """MultiTurnToolEnv: masks come from sampled ids (I1), lists stay aligned (I2), non-sampled tokens are
-masked (I3), samples extend or fork (I4), and failures become counted outcomes (I6)."""
+masked (I3), samples extend or fork (I4), and failures become counted outcomes (I6): tool
+calls that are malformed, cut, raise, hang, flood or return what is not text, empty generations, truncation."""
 import json
+import sys
 import time
 
 import pytest
@@ -117,6 +119,13 @@ def test_max_env_steps_bounds_tool_calls(tok, tmp_path):
     assert sum(m["content"].startswith("<result>") for m in ep.completion) == 2
 
 
+def test_an_empty_generation_ends_the_episode_with_a_flag(tok, tmp_path):
+    env = make_env(tok, tmp_path)
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [""]))
+    assert ep.end_reason == "empty" and ep.done and len(ep.turns) == 1
+    assert M.rollout_metrics([ep])["rollout/empty"] == 1.0
+
+
 @pytest.mark.parametrize("payload,err", [
     ("{not json", "JSONDecodeError"), ('{"args": {}}', 'expected {"name"'),
     ('{"name": "nope", "args": {}}', "unknown tool 'nope'"), ('{"name": "lookup", "args": {"k": 1}}', "TypeError"),
@@ -128,10 +137,79 @@ def test_malformed_tool_calls_become_counted_error_results(tok, tmp_path, payloa
     assert ep.completion[1]["content"].startswith("<result>\nError:") and err in ep.completion[1]["content"]
 
 
+def test_a_tool_that_raises_becomes_a_counted_error_result(tok, tmp_path):
+    def broken(key: str) -> str:
+        """Always fails."""
+        raise ConnectionError("index server down")
+    env = M.MultiTurnToolEnv(tok, [broken], recipe_cfg(tmp_path, "max_env_steps=1"))
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "broken", "args": {"key": "a"}}</tool>',
+                                                                "<answer>a</answer>"]))
+    assert ep.tool_errors == 1 and "Error: ConnectionError: index server down" in ep.completion[1]["content"]
+
+
+def test_any_tool_result_reaches_the_model_as_text_and_its_faults_are_counted(tok, tmp_path):
+    def surrogate(key: str) -> str:
+        """Returns text no tokenizer can encode."""
+        return "value \ud800 here"
+
+    def exits(key: str) -> str:
+        """Calls sys.exit, as a careless tool might."""
+        sys.exit(3)
+
+    def interrupts(key: str) -> str:
+        """Raises KeyboardInterrupt inside the tool."""
+        raise KeyboardInterrupt
+
+    def nothing(key: str) -> str:
+        """Returns None."""
+
+    def number(key: str) -> int:
+        """Returns an int."""
+        return 42
+
+    cfg = recipe_cfg(tmp_path, "max_env_steps=1")
+    env = M.MultiTurnToolEnv(tok, [surrogate, exits, interrupts, nothing, number], cfg)
+    call = '<tool>{"name": "%s", "args": {"key": "a"}}</tool>'
+    results = {}
+    for name in ("surrogate", "exits", "interrupts", "nothing", "number"):
+        [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [call % name, "<answer>a</answer>"]))
+        assert ep.end_reason == "answer", name     # the episode, and the run, go on
+        results[name] = (ep.completion[1]["content"], ep.tool_errors, ep.tool_output_replaced)
+    assert results["surrogate"] == ("<result>\nvalue ? here\n</result>", 0, 1)
+    assert results["exits"] == ("<result>\nError: SystemExit: 3\n</result>", 1, 0)
+    assert results["interrupts"] == ("<result>\nError: KeyboardInterrupt: \n</result>", 1, 0)
+    assert results["nothing"] == ("<result>\nError: the tool returned None\n</result>", 1, 0)
+    assert results["number"] == ("<result>\n42\n</result>", 0, 0)
+    assert M.rollout_metrics([ep])["rollout/tool_output_replaced"] == 0
+
+
+def test_a_huge_tool_output_is_cut_before_tokenization(tok, tmp_path):
+    def flood(key: str) -> str:
+        """Returns a megabyte."""
+        return "x" * 1_000_000
+    env = M.MultiTurnToolEnv(tok, [flood], recipe_cfg(tmp_path, "max_env_steps=1", "tool_output_max_chars=200",
+                                                      "max_seq_len=4096"))
+    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "flood", "args": {"key": "a"}}</tool>',
+                                                                "<answer>a</answer>"]))
+    result = ep.completion[1]["content"]
+    assert "[cut: 999800 more characters]" in result and len(result) < 300
+    assert ep.end_reason == "answer" and len(ep.samples[-1].input_ids) < 1000
+
+
 def test_tool_call_cut_at_max_tokens_is_not_run(tok, tmp_path):
     env = make_env(tok, tmp_path)
     [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [tool_call("golf")], finish={0: "length"}))
     assert ep.end_reason == "truncated" and ep.tool_calls == 0 and len(ep.completion) == 1
+
+
+def test_truncated_episodes_are_left_out_of_the_loss_when_asked(tok, tmp_path):
+    rows = [{"prompt": "q"}] * 2
+    for flag, expected in (("false", 2), ("true", 1)):
+        env = make_env(tok, tmp_path, f"mask_truncated_completions={flag}")
+        eps = env.rollout(rows, ScriptedSampler(tok, [tool_call("golf"), "<answer>x</answer>"], finish={0: "length"}))
+        assert [e.end_reason for e in eps] == ["truncated", "answer"] and eps[0].tool_calls == 0
+        samples, rejected = M.trainable_samples(eps, env.cfg)
+        assert len(samples) == expected and rejected == 0
 
 
 def test_prompt_over_context_budget_ends_episode_without_sampling(tok, tmp_path):

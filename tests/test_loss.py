@@ -1,4 +1,5 @@
-"""The loss against a direct per-token computation, clipping, KL, and micro-batch invariance."""
+"""The loss against a direct per-token computation, clipping, KL, micro-batch invariance, samples with non-finite
+sampler logprobs rejected before it, and the importance weight's cap."""
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import mt_grpo_trainer as M
 from conftest import recipe_cfg
+from test_env import ScriptedSampler, make_env
 
 
 def reference_loss(logp, old, adv, mask, eps_lo, eps_hi, agg, beta=0.0, ref=None):
@@ -165,3 +167,48 @@ def test_batch_with_no_trained_token_is_skipped(tiny, tmp_path):
                            recipe_cfg(tmp_path), tok.pad_token_id)
     assert m == {"loss/skipped_empty_batch": 1.0}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_non_finite_sampler_logprobs_reject_their_sample(tok, tmp_path, tiny):
+    env = make_env(tok, tmp_path)
+    eps = env.rollout([{"prompt": "q"}] * 3, ScriptedSampler(tok, ["<answer>a</answer>"]))
+    eps[0].samples[0].sampler_logprobs[-1] = float("nan")
+    eps[1].samples[0].sampler_logprobs[-2] = float("-inf")
+    for ep in eps:
+        for s in ep.samples:
+            s.advantages = [1.0 * m for m in s.loss_mask]
+    samples, rejected = M.trainable_samples(eps, env.cfg)
+    assert rejected == 2 and samples == eps[2].samples
+    model, _ = tiny
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), samples, env.cfg, 0)
+    assert all(math.isfinite(v) for v in m.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_importance_weights_are_capped_from_above_and_carry_no_gradient(tiny, tmp_path):
+    """w = min(exp(old - sampler), cap), a constant to the gradient: a token the sampler found more likely than the
+    trainer weighs < 1 (uncapped), a moderately less likely one > 1, a far less likely one exactly the cap."""
+    model, tok = tiny
+    s = M.Sample()
+    s.append([5, 6, 7], mask=0)
+    s.append([8, 9, 10], mask=1, logprobs=[0.0] * 3, turn=0)
+    s.advantages = [0.0, 0.0, 0.0, 1.0, -0.5, 1.0]
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        trainer = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
+    s.sampler_logprobs[3:] = (trainer[3:] + torch.tensor([1.5, -0.3, -50.0])).tolist()
+    weight = torch.tensor([[0, 0, 0, math.exp(-1.5), math.exp(0.3), 2.0]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m = M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), [s],
+                           recipe_cfg(tmp_path, "is_ratio_cap=2.0", "max_grad_norm=0", "temperature=1.0"), 0)
+    assert m["loss/is_weight"] == pytest.approx(weight.sum().item() / 3, rel=1e-4)
+    assert math.isfinite(m["loss/policy"])
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+    mask = torch.tensor([s.loss_mask])
+    M.grpo_loss(logp, logp.detach(), torch.tensor([s.advantages]), mask, epsilon=0.2, epsilon_high=0.2,
+                aggregation="token_mean", num_tokens=3, num_seqs=1, is_weight=weight)[0].backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)

@@ -445,3 +445,19 @@ def test_two_native_calls_in_one_turn_under_a_one_call_template_are_one_counted_
                                        "tool call per turn; this turn made 2, and none of them ran"}
         else:
             assert ep.tool_calls == 2 and ep.tool_errors == 0
+
+
+def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
+    """Native calls keep the parsed arguments in the assistant message, which the next prompt renders."""
+    def tag(keys: list) -> str:
+        """Tags keys (and edits the list it was given)."""
+        keys.append("edited")
+        return "tagged"
+
+    enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
+    call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "tag", "arguments": {"keys": ["a"]}}\n</tool_call>'
+    sampler = Turns(qwen3, [enc(call), enc("<think>\ny\n</think>\n\nDone.")])
+    cfg = M.Config(system_prompt="", tool_format="native", tokenization_check="strict")
+    [ep] = M.MultiTurnToolEnv(qwen3, [tag], cfg).rollout([{"prompt": "q"}], sampler)
+    assert ep.messages[1]["tool_calls"][0]["function"]["arguments"] == {"keys": ["a"]}
+    assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw, as sampled"

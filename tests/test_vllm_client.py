@@ -340,6 +340,21 @@ def test_a_dead_server_stops_the_run_within_server_dead_timeout_with_its_log(tin
     assert done and os.path.isfile(os.path.join(done, "model.safetensors")), "the last checkpoint stays usable"
 
 
+def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "vllm.log").write_text("the engine died: out of memory\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")   # run.sh's default is relative, too
+    with StandinServer(tiny_model_dir) as srv:
+        client = M.VLLMServerClient(M.load_config(None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01",
+                                                         f"output_dir={tmp_path}/run"]), srv.vocab_size)
+    os.chdir(tmp_path.parent)
+    client.check_alive(OSError("refused"))           # the server is gone: from now on it is down
+    time.sleep(0.05)
+    with pytest.raises(M.SamplerError, match="has not been healthy") as e:
+        client.check_alive(OSError("refused"))
+    assert f"Last lines of the server's log ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_dir, tmp_path, sig):
     import signal
