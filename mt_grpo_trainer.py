@@ -138,7 +138,7 @@ class Config:
     max_filter_draws: Annotated[int, ">= 0"] = 2
     """With filter_zero_spread_groups: most extra rounds of prompts per step; after them zero-spread groups fill the step."""
     max_staleness: Annotated[int, "[0, 8]"] = 0
-    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates; a group with a token sampled more than k versions back is dropped."""
+    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates, so a trained token is at most k weight versions old."""
     # --- advantages
     advantage_mode: str = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
@@ -1129,9 +1129,9 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
 
 class RolloutProducer:
     """max_staleness = k >= 1: a thread runs `collect` for the coming steps while the trainer updates. It may start
-    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead;
-    `take` hands the steps back in order and drops any group with a token sampled more than k versions before the
-    update. At k = 0 there is no thread: `take` runs `collect` then and there."""
+    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead and
+    no token it samples is more than k versions older than the update; `take` hands the steps back in order. At k = 0
+    there is no thread: `take` runs `collect` then and there."""
 
     def __init__(self, run, start: int):
         self.run, self.k, self.closed = run, run.cfg.max_staleness, False
@@ -1155,17 +1155,12 @@ class RolloutProducer:
         if isinstance(out, BaseException):
             raise out
         episodes, m = out
-        if not self.k:
-            return episodes, {**m, "time/wait_rollout": time.time() - t0}
-        G, fresh, ages = self.run.cfg.num_generations, [], []
-        for g in range(0, len(episodes), G):
-            age = [step - v for ep in episodes[g:g + G] for s in ep.samples for v, k in zip(s.versions, s.loss_mask) if k]
-            if max(age, default=0) <= self.k:
-                fresh, ages = fresh + episodes[g:g + G], ages + age
-        if not fresh:   # the permits keep every token within k versions: this is a bug, not a slow server
-            raise RuntimeError(f"step {step}: every group has a token more than max_staleness={self.k} versions old")
-        return fresh, {**m, "time/wait_rollout": time.time() - t0, "rollout/groups_dropped_stale": (len(episodes) - len(
-            fresh)) // G, "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0, "rollout/staleness_max": max(ages, default=0)}
+        m["time/wait_rollout"] = time.time() - t0
+        if self.k:   # how many versions before the update each trained token was sampled (the permits keep it <= k)
+            ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
+            m.update({"rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
+                      "rollout/staleness_max": max(ages, default=0)})
+        return episodes, m
 
     def advance(self):
         """The server now samples from the next weights: one more step's rollouts may start."""
