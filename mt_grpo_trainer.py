@@ -274,9 +274,10 @@ class Completion:
 
 
 @dataclass
-class Turn(Completion):
-    """One assistant turn of an episode: the sampler's reply to a prompt of `prompt_len` tokens."""
-    prompt_len: int = 0
+class Turn:
+    """One assistant turn of an episode: `sampled_len` tokens sampled after a prompt of `prompt_len` tokens."""
+    prompt_len: int
+    sampled_len: int   # its ids and logprobs are in the sample that holds it, from `prompt_len` on
 
 
 @dataclass
@@ -893,7 +894,7 @@ class MultiTurnToolEnv:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
         t, s = len(ep.turns), ep.samples[-1]
         s.last_prompt_len = len(s.input_ids)
-        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=s.last_prompt_len))
+        ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
         self.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
         text = self.dec(keep)
@@ -1658,7 +1659,7 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             "rollout/realigns": sum(e.realigns for e in eps) / n, "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
             "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
             # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
-            "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
+            "rollout/tokens_per_turn_samples": sum(t.prompt_len + t.sampled_len for e in eps for t in e.turns) / n,
             "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
             "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
             "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n,
