@@ -220,16 +220,17 @@ class Config:
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no sync checks)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
+    distributed_timeout: Annotated[float, "> 0"] = 1800.0
+    """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
+    # --- launch: run.sh reads these to place the server and the ranks on GPUs; the trainer never does
     vllm_gpus: str = "7"
     """run.sh: CUDA devices for `vllm serve`."""
     train_gpus: str = "0,1,2,3,4,5,6"
     """run.sh: CUDA devices for torchrun, one training rank each."""
     vllm_gpu_memory_utilization: Annotated[float, "(0, 1]"] = 0.85
     """run.sh: `vllm serve --gpu-memory-utilization`."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
-    distributed_timeout: Annotated[float, "> 0"] = 1800.0
-    """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
     # --- logging and checkpoints
     output_dir: str = ""
     """Run folder (empty = runs/<recipe name>)."""
