@@ -138,7 +138,7 @@ class Config:
     max_filter_draws: Annotated[int, ">= 0"] = 2
     """With filter_zero_spread_groups: most extra rounds of prompts per step; after them zero-spread groups fill the step."""
     max_staleness: Annotated[int, "[0, 8]"] = 0
-    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates; a group with a token sampled more than k versions back is dropped."""
+    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates, so a trained token is at most k weight versions old."""
     # --- advantages
     advantage_mode: str = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
@@ -220,16 +220,17 @@ class Config:
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no sync checks)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
+    distributed_timeout: Annotated[float, "> 0"] = 1800.0
+    """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
+    # --- launch: run.sh reads these to place the server and the ranks on GPUs; the trainer never does
     vllm_gpus: str = "7"
     """run.sh: CUDA devices for `vllm serve`."""
     train_gpus: str = "0,1,2,3,4,5,6"
     """run.sh: CUDA devices for torchrun, one training rank each."""
     vllm_gpu_memory_utilization: Annotated[float, "(0, 1]"] = 0.85
     """run.sh: `vllm serve --gpu-memory-utilization`."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
-    distributed_timeout: Annotated[float, "> 0"] = 1800.0
-    """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
     # --- logging and checkpoints
     output_dir: str = ""
     """Run folder (empty = runs/<recipe name>)."""
@@ -274,9 +275,10 @@ class Completion:
 
 
 @dataclass
-class Turn(Completion):
-    """One assistant turn of an episode: the sampler's reply to a prompt of `prompt_len` tokens."""
-    prompt_len: int = 0
+class Turn:
+    """One assistant turn of an episode: `sampled_len` tokens sampled after a prompt of `prompt_len` tokens."""
+    prompt_len: int
+    sampled_len: int   # its ids and logprobs are in the sample that holds it, from `prompt_len` on
 
 
 @dataclass
@@ -375,10 +377,10 @@ class Stopped(RewardError):
 
 
 def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: float = Config.reward_timeout,
-          stop: threading.Event | None = None) -> list[float]:
+          stop_event: threading.Event | None = None) -> list[float]:
     """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`. Each runs in a worker
     on its own copy of both (an edit it makes reaches neither the next function nor the episode), for at most
-    `timeout` seconds, and is abandoned at once when `stop` is set (a function may never return)."""
+    `timeout` seconds, and is abandoned at once when `stop_event` is set (a function may never return)."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
     total = [0.0] * len(episodes)
@@ -388,7 +390,7 @@ def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: f
         own, cols = copy.deepcopy((completions, columns))
         fut = reward_pool().submit(functools.partial(fn, own, **cols))
         try:
-            err = call_exception(fut, timeout, stop)
+            err = call_exception(fut, timeout, stop_event)
         except (concurrent.futures.TimeoutError, Stopped) as e:
             reward_pool().add_worker()   # that worker may never come back: abandon it, keep the pool's size
             raise e if isinstance(e, Stopped) else RewardError(
@@ -726,7 +728,7 @@ class MultiTurnToolEnv:
         return set()
 
     def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True,
-               keep: set[int] | None = None) -> str:
+               verbatim: set[int] | None = None) -> str:
         """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
         rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
         of turns before the last multiple of N of the turns in `raw`."""
@@ -736,8 +738,8 @@ class MultiTurnToolEnv:
         msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
         final = set() if add_generation_prompt else {len(messages) - 1}
-        keep = self.verbatim_turns(messages, raw) if keep is None else keep
-        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in keep - compacted - final}
+        verbatim = self.verbatim_turns(messages, raw) if verbatim is None else verbatim
+        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
         text = self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
@@ -750,10 +752,10 @@ class MultiTurnToolEnv:
     def forced_prefix(self, messages, raw, prompt_text: str) -> str:
         """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
         `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
-        keep = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
-        base = self.render(messages, raw, False, keep=keep)
+        verbatim = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
+        base = self.render(messages, raw, False, verbatim=verbatim)
         hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
-        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, keep=keep)
+        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, verbatim=verbatim)
         if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
             return ""
         gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
@@ -780,12 +782,12 @@ class MultiTurnToolEnv:
         if s:
             boundary = "user" if any(map(self.is_query, ep.messages[max(ep.raw, default=-1) + 1:])) else "tool"
             extends = text.startswith(s.text)
-            keep = None if extends else self.realign_point(s, text)
-            gone = sum(s.loss_mask[keep[0]:]) if keep else 0   # the last turn's sampled tokens REALIGN untrains
+            realign = None if extends else self.realign_point(s, text)
+            gone = sum(s.loss_mask[realign[0]:]) if realign else 0   # the last turn's sampled tokens REALIGN untrains
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
-            if keep:
+            if realign:
                 ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
-                s.truncate(*keep)
+                s.truncate(*realign)
             elif not extends:   # a fork: this sample closes
                 ep.forks += 1
                 s = None
@@ -893,10 +895,10 @@ class MultiTurnToolEnv:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
         t, s = len(ep.turns), ep.samples[-1]
         s.last_prompt_len = len(s.input_ids)
-        ep.turns.append(Turn(c.ids, c.logprobs, c.finish_reason, c.version, prompt_len=s.last_prompt_len))
+        ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
         self.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
-        keep = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds its own EOS
-        text = self.dec(keep)
+        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds EOS
+        text = self.dec(content_ids)
         msg, calls = self.fmt.parse(text)
         if len(msg.get("tool_calls", ())) > 1 and self.one_call_per_turn:   # the sampled text and one error result (I6)
             msg, calls = {"role": "assistant", "content": text}, [ValueError(
@@ -1020,8 +1022,8 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
     in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
     groups = make_microbatches(samples, cfg)
-    real, padded = all_sum(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
-    n_mb = int(all_sum(len(groups), op=dist.ReduceOp.MAX)[0])
+    real, padded = all_reduce(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
+    n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], versions=[-1], advantages=[0.0])
     mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
@@ -1042,7 +1044,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     world = dist.get_world_size() if dist.is_initialized() else 1
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
     shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
-    num_tokens, num_seqs = map(round, all_sum(sum(sum(s.loss_mask) for s in samples), sum(shares)))
+    num_tokens, num_seqs = map(round, all_reduce(sum(sum(s.loss_mask) for s in samples), sum(shares)))
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -1074,7 +1076,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         optimizer.step()
         scheduler.step()
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn   # FSDP2 returns a DTensor
-    return {**dict(zip(sums, all_sum(*sums.values()))), "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0], **info}
+    return {**dict(zip(sums, all_reduce(*sums.values()))), "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0], **info}
 
 
 def lr_lambda(cfg: Config):
@@ -1108,8 +1110,8 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         # 1. rollout: whole GRPO groups, every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
         # 2. reward: a turn-level and an outcome-level scalar per episode
-        turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop)
-        outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop)
+        turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop_event)
+        outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop_event)
         # 3. advantage: normalised within each group, one per assistant turn, which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         drawn += outcome_R
@@ -1129,9 +1131,9 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
 
 class RolloutProducer:
     """max_staleness = k >= 1: a thread runs `collect` for the coming steps while the trainer updates. It may start
-    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead;
-    `take` hands the steps back in order and drops any group with a token sampled more than k versions before the
-    update. At k = 0 there is no thread: `take` runs `collect` then and there."""
+    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead and
+    no token it samples is more than k versions older than the update; `take` hands the steps back in order. At k = 0
+    there is no thread: `take` runs `collect` then and there."""
 
     def __init__(self, run, start: int):
         self.run, self.k, self.closed = run, run.cfg.max_staleness, False
@@ -1155,17 +1157,12 @@ class RolloutProducer:
         if isinstance(out, BaseException):
             raise out
         episodes, m = out
-        if not self.k:
-            return episodes, {**m, "time/wait_rollout": time.time() - t0}
-        G, fresh, ages = self.run.cfg.num_generations, [], []
-        for g in range(0, len(episodes), G):
-            age = [step - v for ep in episodes[g:g + G] for s in ep.samples for v, k in zip(s.versions, s.loss_mask) if k]
-            if max(age, default=0) <= self.k:
-                fresh, ages = fresh + episodes[g:g + G], ages + age
-        if not fresh:   # the permits keep every token within k versions: this is a bug, not a slow server
-            raise RuntimeError(f"step {step}: every group has a token more than max_staleness={self.k} versions old")
-        return fresh, {**m, "time/wait_rollout": time.time() - t0, "rollout/groups_dropped_stale": (len(episodes) - len(
-            fresh)) // G, "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0, "rollout/staleness_max": max(ages, default=0)}
+        m["time/wait_rollout"] = time.time() - t0
+        if self.k:   # how many versions before the update each trained token was sampled (the permits keep it <= k)
+            ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
+            m.update({"rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
+                      "rollout/staleness_max": max(ages, default=0)})
+        return episodes, m
 
     def advance(self):
         """The server now samples from the next weights: one more step's rollouts may start."""
@@ -1190,7 +1187,7 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                 episodes, m_roll = run.rollouts.take(step)
             except Stopped:   # a signal while a reward function ran (it may never return): this step is dropped
                 episodes = None
-            if all_sum(float(episodes is None))[0]:   # on any rank: every rank stops, with the weights of `step` steps
+            if all_reduce(float(episodes is None))[0]:   # on any rank: all ranks stop, with the weights of `step` steps
                 run.save_and_stop(step)
                 break
             # 4. update: PPO-clip on exactly the sampled tokens (I1)
@@ -1298,16 +1295,45 @@ def main(argv=None):
 
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
+@dataclass
 class Run:
-    """What `train()` uses: plug-ins, model and optimizer, environment, sampler, logger, rank, start step, signals."""
-
-    def __init__(self, cfg: Config, rank: int, world: int, device: torch.device):
-        self.cfg, self.rank, self.world, self.device, self.main = cfg, rank, world, device, rank == 0
-        self.start, self.logger, self.handlers, self.lock, self.probe_ref = 0, None, {}, None, None
-        self.stop, self.stop_signal = threading.Event(), ""   # set by SIGTERM or a first Ctrl-C (see on_signal)
+    """What `train()` uses: plug-ins, model and optimizer, environment, sampler, logger, rank, start step, signals.
+    `setup` sets the fields from `tools` on, in the order listed; until then each holds its default."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    is_main = property(lambda self: self.rank == 0)   # rank 0 prints, writes the run folder and talks to the server
+    stop_event: threading.Event = field(default_factory=threading.Event)   # SIGTERM or a first Ctrl-C sets it
+    stop_signal: str = ""                                      # the name of the signal that set it
+    tools: list[typing.Callable] = field(default_factory=list)
+    turn_fns: list[typing.Callable] = field(default_factory=list)      # turn-level reward functions
+    outcome_fns: list[typing.Callable] = field(default_factory=list)   # outcome-level reward functions
+    turn_w: list[float] = field(default_factory=list)                  # the weights of turn_fns
+    outcome_w: list[float] = field(default_factory=list)               # the weights of outcome_fns
+    rows: list[dict] = field(default_factory=list)                     # the dataset
+    eval_rows: list[dict] = field(default_factory=list)                # the rows evaluated (of eval_dataset)
+    lock: typing.TextIO | None = None                          # rank 0's hold on output_dir (see hold_output_dir)
+    src: str = ""                                              # where the weights came from: a checkpoint or the model
+    tokenizer: typing.Any = None                               # a transformers tokenizer
+    model: torch.nn.Module | None = None                       # the HF (or peft) module: what is saved and synced
+    ref_model: torch.nn.Module | None = None                   # the frozen reference (beta > 0); with LoRA `model`
+    policy: torch.nn.Module | None = None                      # `model` wrapped in DDP or FSDP2: what the loss runs
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    start: int = 0                                             # the step the run starts from (a checkpoint's)
+    env: MultiTurnToolEnv | None = None
+    pad_id: int = 0                                            # the token that pads micro-batches
+    sampler: LocalSampler | VLLMServerClient | None = None     # or any class with the interface of appendix C
+    probe_ids: list[int] = field(default_factory=list)         # the weight-sync check's fixed sequence
+    probe_ref: tuple | None = None                             # its reference: (version, server's, trainer's, gap)
+    steps: typing.Any = None                                   # a tqdm over the steps to run
+    logger: MetricsLogger | None = None                        # None with the eval command
+    rollouts: RolloutProducer | None = None
+    handlers: dict = field(default_factory=dict)               # the signal handlers on_signal replaced (close restores)
 
     def say(self, msg: str):
-        if self.main:
+        if self.is_main:
             print(msg, flush=True)
 
     def batch(self, step: int, draw: int = 0) -> list[dict]:
@@ -1327,10 +1353,10 @@ class Run:
             return {}
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
-        if dist.is_initialized() and not self.main:
+        if dist.is_initialized() and not self.is_main:
             dist.barrier()   # the other ranks follow once rank 0's call returned: the server holds the new weights
-        self.sampler.sync_weights(self.model, sd if self.main else None, version)
-        if dist.is_initialized() and self.main:
+        self.sampler.sync_weights(self.model, sd if self.is_main else None, version)
+        if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
         if self.cfg.sync_check_max_diff > 0:   # every rank runs the forward (FSDP); rank 0 asks the server
@@ -1339,7 +1365,7 @@ class Run:
                 own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
             self.model.train(was)
             stats = [0.0] * 5   # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
-            if self.main:
+            if self.is_main:
                 srv = torch.tensor(self.sampler.probe_logprobs(self.probe_ids))
                 stats[0] = float((srv - own).abs().mean())
                 self.probe_ref = self.probe_ref or (version, srv, own, stats[0])   # the first sync: the first reference
@@ -1351,7 +1377,7 @@ class Run:
                 if stats[1] > 4 * ref_gap:   # the slope of the server's change on the trainer's: ~1 followed, 0 not
                     stats[2:4] = [1.0, float((d_srv * d_own).sum() / (d_own * d_own).sum())]
                     self.probe_ref = (version, srv, own, stats[0])
-            diff, change, judged, follow, since = all_sum(*stats)
+            diff, change, judged, follow, since = all_reduce(*stats)
             m["sync/probe_logprob_diff"], m["sync/probe_change"] = diff, change
             if diff > self.cfg.sync_check_max_diff:
                 raise SyncCheckError(f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
@@ -1385,7 +1411,7 @@ class Run:
             srv += c.logprobs
         ok = [i for i, p in enumerate(processed) if math.isfinite(p)]   # not a token at the edge of the trainer's nucleus
         srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
-        n, to_raw, to_processed = all_sum(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
+        n, to_raw, to_processed = all_reduce(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
         if to_raw < to_processed / 2:   # clearly closer to the raw ones
             raise SamplerError(f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
                                f"at temperature={cfg.temperature}, top_p={cfg.top_p} as it samples: on {n:.0f} sampled tokens "
@@ -1396,10 +1422,10 @@ class Run:
     def on_signal(self, signum, frame):
         """SIGTERM or a first Ctrl-C: finish the step (or drop it, if a reward function is running), save, exit (no more
         server retries); a second Ctrl-C aborts."""
-        if signum == signal.SIGINT and self.stop.is_set():
+        if signum == signal.SIGINT and self.stop_event.is_set():
             raise KeyboardInterrupt
         self.stop_signal = signal.Signals(signum).name
-        self.stop.set()
+        self.stop_event.set()
         if signum == signal.SIGINT:
             self.say("\n[mt-grpo] Ctrl-C: finishing this step (dropping it if a reward function is running), then "
                      "saving a checkpoint; Ctrl-C again aborts at once")
@@ -1416,7 +1442,7 @@ class Run:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
 
     def stop_requested(self) -> bool:
-        return all_sum(float(self.stop.is_set()))[0] > 0   # any rank's signal stops every rank
+        return all_reduce(float(self.stop_event.is_set()))[0] > 0   # any rank's signal stops every rank
 
     def close(self, history: list[dict]) -> list[dict]:
         if self.logger:
@@ -1425,7 +1451,7 @@ class Run:
             self.steps.close()
             if self.logger.wandb:
                 self.logger.wandb.finish()
-            if self.main:
+            if self.is_main:
                 summarize(self.cfg, history)
         self.sampler.close()
         if self.lock:
@@ -1449,7 +1475,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg, run.say)
-    if run.main:
+    if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
             prepare_output_dir(cfg, ckpt, eval_only, run.say)
@@ -1462,11 +1488,11 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.src = ckpt or cfg.model_name_or_path
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(cfg, run.src, run.device)
     if ckpt:
-        run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.main)
+        run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
-    run.sampler = (VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop, run.say)
+    run.sampler = (VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop_event, run.say)
                    if cfg.vllm_server_url else LocalSampler(run.model, run.tokenizer))   # a new sampler: a line here
     prompt_ids = run.env.enc(run.env.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
@@ -1476,7 +1502,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if eval_only:
         return run
     run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
-                     dynamic_ncols=True, disable=not run.main)
+                     dynamic_ncols=True, disable=not run.is_main)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
     if threading.current_thread() is threading.main_thread():
@@ -1663,7 +1689,7 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             "rollout/realigns": sum(e.realigns for e in eps) / n, "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
             "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
             # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
-            "rollout/tokens_per_turn_samples": sum(t.prompt_len + len(t.ids) for e in eps for t in e.turns) / n,
+            "rollout/tokens_per_turn_samples": sum(t.prompt_len + t.sampled_len for e in eps for t in e.turns) / n,
             "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
             "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
             "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n,
@@ -1843,7 +1869,7 @@ class VLLMServerClient:
     `request_deadline`; a dead server stops the run after `server_dead_timeout`. A reply without token ids or
     logprobs, or with ids outside the vocabulary, is an error: vLLM ignores misspelt fields (I6)."""
 
-    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop: threading.Event | None = None, say=print):
+    def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop_event=None, say=print):
         self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.local = threading.local()   # one requests.Session per worker thread
@@ -1854,7 +1880,7 @@ class VLLMServerClient:
         self.sync_dir = os.path.join(cfg.weight_sync_dir, os.path.basename(os.path.abspath(cfg.output_dir)))
         self.nccl = None          # the NCCL group with the server's workers, made on the first nccl sync
         self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
-        self.stop = stop or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
+        self.stop_event = stop_event or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
         self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
@@ -1883,7 +1909,7 @@ class VLLMServerClient:
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     requests.exceptions.JSONDecodeError, requests.HTTPError) as e:
                 last = e
-            if self.stop.is_set():
+            if self.stop_event.is_set():
                 raise SamplerError(f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {self.url} (last: "
                                    f"{type(last).__name__}: {str(last)[:200]}); saved checkpoints are unaffected")
             self.check_alive(last)
@@ -1892,7 +1918,7 @@ class VLLMServerClient:
                     f"the vLLM server at {self.url} gave no usable answer to {method} {path} within "
                     f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {type(last).__name__}: "
                     f"{str(last)[:300]}). Is `vllm serve` running there and healthy (GET {self.url}/health)?")
-            self.stop.wait(delay)
+            self.stop_event.wait(delay)
             delay = min(2 * delay, 10.0)
 
     def check_alive(self, last: Exception):
@@ -1941,13 +1967,13 @@ class VLLMServerClient:
         while True:
             version = self.policy_version   # a retry after a sync samples from the new weights (LoRA: adapter)
             body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
-            choices = sorted(self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()),
+            replies = sorted(self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()),
                                           json=body).get("choices") or [], key=lambda c: c.get("index", 0))
-            if not any(c.get("finish_reason") in ("abort", "error") for c in choices) or time.monotonic() > end:
+            if not any(c.get("finish_reason") in ("abort", "error") for c in replies) or time.monotonic() > end:
                 break   # aborted (the server was paused or failed mid-request): ask again
-        if len(choices) != n:
-            raise SamplerError(f"{self.url}/v1/completions returned {len(choices)} choices for n={n}")
-        return [self.completion(c, version) for c in choices]
+        if len(replies) != n:
+            raise SamplerError(f"{self.url}/v1/completions returned {len(replies)} choices for n={n}")
+        return [self.completion(c, version) for c in replies]
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.
@@ -1995,7 +2021,7 @@ class VLLMServerClient:
             except SamplerError as e:   # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
                 raise SamplerError(f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
                                    "the server (its model is left half-loaded), then resume_from_checkpoint=auto") from None
-        self.cleanup(keep=[os.path.basename(path)])
+        self.cleanup(keep_folders=[os.path.basename(path)])
 
     def model_for(self, version: int) -> str:
         """What requests name: with LoRA the adapter of `version` (every rank knows its name), else the served model."""
@@ -2015,7 +2041,7 @@ class VLLMServerClient:
         self.adapters.append((name, path))
         while len(self.adapters) > self.cfg.max_staleness + 2:
             self.request("POST", "/v1/unload_lora_adapter", plain=True, json={"lora_name": self.adapters.pop(0)[0]})
-        self.cleanup(keep=[os.path.basename(p) for _, p in self.adapters])
+        self.cleanup(keep_folders=[os.path.basename(p) for _, p in self.adapters])
 
     @contextlib.contextmanager
     def weight_update(self, version: int, pause: bool = True):
@@ -2024,12 +2050,12 @@ class VLLMServerClient:
         On-policy, requests in flight are aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep)
         and go on under the new weights after the resume: partial rollouts, their tokens' logprobs those of the weights
         that sampled them. The new cache_salt, set before the resume, keeps new requests off the old prefix cache."""
-        keep = self.cfg.max_staleness > 0
+        partial = self.cfg.max_staleness > 0   # partial rollouts: requests in flight are frozen, not aborted
         if pause:
-            self.request("POST", "/pause", params={"mode": "keep" if keep else "abort", "clear_cache": str(not keep).lower()})
+            self.request("POST", "/pause", params={"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()})
         try:
             yield
-            if pause and not keep:
+            if pause and not partial:
                 self.request("POST", "/reset_prefix_cache")
             self.policy_version = version
         finally:
@@ -2060,11 +2086,11 @@ class VLLMServerClient:
             received.result()
             self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
 
-    def cleanup(self, keep=()):
-        """Remove the synced folders but `keep`; at the end of a run (keep nothing) unload this run's adapters too."""
-        for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - set(keep):
+    def cleanup(self, keep_folders=()):
+        """Remove the synced folders but `keep_folders`; with none kept (the run's end) unload its adapters too."""
+        for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - set(keep_folders):
             shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
-        while not keep and self.adapters:
+        while not keep_folders and self.adapters:
             with contextlib.suppress(SamplerError):
                 self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True,
                              json={"lora_name": self.adapters.pop()[0]})
@@ -2112,12 +2138,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def all_sum(*xs: float, op=None) -> list[float]:
-    """Sum numbers over ranks, or with op=dist.ReduceOp.MAX take the largest (identity in one process)."""
+def all_reduce(*xs: float, op: str = "sum") -> list[float]:
+    """Each number summed over ranks, or with op="max" its largest value on any rank (identity in one process)."""
     if not dist.is_initialized():
         return list(xs)
     t = torch.tensor(xs, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()))
     return t.tolist()
 
 
@@ -2260,7 +2286,7 @@ def checked_mode(cfg: Config, path: str) -> str:
     return path
 
 
-def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, main: bool) -> int:
+def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_main: bool) -> int:
     """Optimizer, scheduler, RNG state (the model came from `ckpt`); the recipe's learning rate, schedule and AdamW
     settings, where they changed; drops logs of steps to redo; returns the step."""
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
@@ -2288,7 +2314,7 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, mai
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    if main:
+    if is_main:
         if changed:
             print(f"[mt-grpo] the recipe changes {', '.join(changed)} from {ckpt}'s run: applied from step "
                   f"{state['step'] + 1}")
@@ -2530,9 +2556,9 @@ class DaemonPool:
         return fut
 
 
-def call_exception(fut: concurrent.futures.Future, timeout: float, stop: threading.Event | None = None):
+def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
     """A pool call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
-    took it (time queued behind other calls does not count); Stopped as soon as `stop` is set."""
+    took it (time queued behind other calls does not count); Stopped as soon as `stop_event` is set."""
     while True:
         started = getattr(fut, "started", None)
         left = math.inf if started is None else started + timeout - time.monotonic()
@@ -2541,7 +2567,7 @@ def call_exception(fut: concurrent.futures.Future, timeout: float, stop: threadi
         except concurrent.futures.TimeoutError:
             if left <= 0.05:
                 raise
-            if stop is not None and stop.is_set():
+            if stop_event is not None and stop_event.is_set():
                 raise Stopped("SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are "
                               "unaffected") from None
 

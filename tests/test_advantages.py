@@ -34,7 +34,7 @@ def group(*turns_and_splits):
     for n, split in turns_and_splits:
         idx = [i for t in range(n) for i in (-1, t, t)]
         sample = M.Sample(input_ids=[0] * len(idx), loss_mask=[int(t >= 0) for t in idx], turn_idx=idx)
-        eps.append(M.Episode(row={}, messages=[], n_prompt_messages=0, turns=[M.Turn([], [], "stop")] * n,
+        eps.append(M.Episode(row={}, messages=[], n_prompt_messages=0, turns=[M.Turn(0, 0)] * n,
                              samples=[sample], first_result_turn=split))
     return eps
 

@@ -8,7 +8,7 @@ from conftest import recipe_cfg
 
 def episode(turns: int, end_reason: str) -> M.Episode:
     ep = M.Episode(row={}, messages=[], n_prompt_messages=0, end_reason=end_reason)
-    ep.turns = [M.Turn([5], [-1.0], "stop") for _ in range(turns)]
+    ep.turns = [M.Turn(0, 1) for _ in range(turns)]
     return ep
 
 

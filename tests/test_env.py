@@ -299,7 +299,7 @@ def test_a_128_turn_tool_episode_stays_one_sample_of_linear_size(tok, tmp_path):
     for prompt, sent in zip(sampler.prompts, sampler.sent):
         assert s.input_ids[:len(prompt)] == prompt and s.input_ids[len(prompt):len(prompt) + len(sent)] == sent
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == [i for ids in sampler.sent for i in ids]
-    per_turn = sum(t.prompt_len + len(t.ids) for t in ep.turns)   # what one sample per turn would hold
+    per_turn = sum(t.prompt_len + t.sampled_len for t in ep.turns)   # what one sample per turn would hold
     assert len(s.input_ids) == len(sampler.prompts[-1]) + len(sampler.sent[-1]) and per_turn > 50 * len(s.input_ids)
 
 

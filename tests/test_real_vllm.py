@@ -87,11 +87,11 @@ def test_trained_ids_are_exactly_the_ids_vllm_returned_across_turns(real_vllm, t
     for ep in eps:
         [s] = ep.samples                                    # ChatML extends: one sample per episode (I4)
         for t in ep.turns:
-            key = (tuple(s.input_ids[:t.prompt_len]), tuple(t.ids))
+            span = slice(t.prompt_len, t.prompt_len + t.sampled_len)
+            key = (tuple(s.input_ids[:t.prompt_len]), tuple(s.input_ids[span]))
             assert key in returned, "I1: each turn is one reply's token_ids, after exactly that reply's prompt_token_ids"
-            span = slice(t.prompt_len, t.prompt_len + len(t.ids))
-            assert s.loss_mask[span] == [1] * len(t.ids) and s.sampler_logprobs[span] == returned[key]
-        assert sum(s.loss_mask) == sum(len(t.ids) for t in ep.turns), "I3: nothing else is trained"
+            assert s.loss_mask[span] == [1] * t.sampled_len and s.sampler_logprobs[span] == returned[key]
+        assert sum(s.loss_mask) == sum(t.sampled_len for t in ep.turns), "I3: nothing else is trained"
     masked = tok.decode([i for i, m in zip(with_tools[0].samples[0].input_ids, with_tools[0].samples[0].loss_mask) if not m])
     assert "<result>" in masked, "the tool result is context, mask 0"
 

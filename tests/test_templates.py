@@ -346,7 +346,7 @@ def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3, tmp_path,
     call = enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>')
     roomy = native_env(qwen3).rollout([{"prompt": "q"}], Turns(qwen3, [call + [other_eos], enc("Done.") + [other_eos]]))[0]
     assert roomy.realigns == 1, "the setting below must REALIGN at the boundary"
-    first_prompt = len(roomy.turns[0].ids) + roomy.turns[0].prompt_len   # the sample after turn 0
+    first_prompt = roomy.turns[0].sampled_len + roomy.turns[0].prompt_len   # the sample after turn 0
     sent, room = call + [other_eos], roomy.turns[1].prompt_len
     if limit == "max_seq_len":
         [ep] = native_env(qwen3, max_seq_len=room).rollout([{"prompt": "q"}], Turns(qwen3, [sent]))
