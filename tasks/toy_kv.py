@@ -53,7 +53,7 @@ def demonstration(row, system_prompt, rng, p_tool=None):
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     msgs.append({"role": "user", "content": row["prompt"]})
     if rng.random() >= (WARMSTART["p_tool"] if p_tool is None else p_tool):
-        return msgs + [{"role": "assistant", "content": f"<reasoning>Let me think.</reasoning>\n<answer>unknown</answer>"}]
+        return msgs + [{"role": "assistant", "content": "<reasoning>Let me think.</reasoning>\n<answer>unknown</answer>"}]
     call = json.dumps({"name": "lookup", "args": {"key": row["key"]}})
     return msgs + [
         {"role": "assistant", "content": f"<reasoning>Let me think.</reasoning>\n<tool>{call}</tool>"},
