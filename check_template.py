@@ -7,6 +7,7 @@ For a chat template and a `thinking_retention`, it reports whether extension (I4
 boundary, how many samples an episode makes, and every invariant violation (I1-I3, I5). It lives
 beside the trainer, not in it, because training never needs it.
 """
+
 import json
 import os
 import sys
@@ -26,13 +27,21 @@ def _sim_search(query: str) -> str:
 
 # How a scripted turn writes a search call and a final answer in each tool format: what a model would sample. A format
 # registered from outside the trainer gives its own: call_text(query), a call of _sim_search, and answer_text(answer).
-SCRIPTED = {"xml": (lambda q: "<tool>" + json.dumps({"name": "_sim_search", "args": {"query": q}}) + "</tool>",
-                    lambda answer: f"<answer>{answer}</answer>"),
-            "native": (lambda q: "<tool_call>\n" + json.dumps({"name": "_sim_search", "arguments": {"query": q}}) + "\n</tool_call>",
-                       lambda answer: answer)}
+SCRIPTED = {
+    "xml": (
+        lambda q: "<tool>" + json.dumps({"name": "_sim_search", "args": {"query": q}}) + "</tool>",
+        lambda answer: f"<answer>{answer}</answer>",
+    ),
+    "native": (
+        lambda q: "<tool_call>\n" + json.dumps({"name": "_sim_search", "arguments": {"query": q}}) + "\n</tool_call>",
+        lambda answer: answer,
+    ),
+}
 
 
-def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None) -> tuple[M.Episode, list]:
+def simulate_episode(
+    env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos_id: int | None
+) -> tuple[M.Episode, list]:
     """Drive `env` with scripted turns: ("assistant", text) is 'sampled' as its canonical ids (plus EOS unless
     one of the format's stop strings ends it, as a sampler returns them), ("user", text) is a new user query.
     Returns the episode and the (prompt, sampled ids) pairs the sampler would have seen."""
@@ -43,7 +52,7 @@ def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos
             ep.messages.append({"role": "user", "content": text})
             continue
         prompt = env.next_prompt(ep)
-        eos = [eos_id] if eos_id is not None and not text.endswith(env.fmt.stop) else []   # a stop string: no EOS
+        eos = [eos_id] if eos_id is not None and not text.endswith(env.fmt.stop) else []  # a stop string: no EOS
         ids = env.tok.encode(text, add_special_tokens=False) + eos
         seen.append((prompt, ids))
         env.run_tools([(ep, call) for call in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
@@ -53,22 +62,30 @@ def simulate_episode(env: M.MultiTurnToolEnv, script: list[tuple[str, str]], eos
 
 def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list[str]:
     """I1-I3 and I5 on one simulated episode, as readable violations."""
-    bad, untrained = [], {b["turn"] - 1: b["realigned"] for b in ep.boundaries}   # REALIGN's cut of a turn's tail
+    bad, untrained = [], {b["turn"] - 1: b["realigned"] for b in ep.boundaries}  # REALIGN's cut of a turn's tail
     for t, (prompt, full) in enumerate(seen):
-        ids = full[:len(full) - untrained.get(t, 0)]
-        s = next((s for s in ep.samples if s.input_ids[:len(prompt)] == prompt and
-                  s.input_ids[len(prompt):len(prompt) + len(ids)] == ids), None)
+        ids = full[: len(full) - untrained.get(t, 0)]
+        s = next(
+            (
+                s
+                for s in ep.samples
+                if s.input_ids[: len(prompt)] == prompt and s.input_ids[len(prompt) : len(prompt) + len(ids)] == ids
+            ),
+            None,
+        )
         if s is None:
             bad.append(f"I1: turn {t}'s sampled ids are not in any sample right after the prompt the sampler saw")
-        elif s.loss_mask[len(prompt):len(prompt) + len(ids)] != [1] * len(ids):
+        elif s.loss_mask[len(prompt) : len(prompt) + len(ids)] != [1] * len(ids):
             bad.append(f"I3: turn {t}'s sampled ids are not all mask 1")
     for k, s in enumerate(ep.samples):
         if not len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx):
             bad.append(f"I2: sample {k}'s per-token lists differ in length")
     trained = sum(sum(s.loss_mask) for s in ep.samples)
     if trained != sum(len(ids) for _, ids in seen) - ep.realigned_tokens:
-        bad.append(f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled "
-                   f"and {ep.realigned_tokens} realigned")
+        bad.append(
+            f"I3: {trained} tokens have mask 1 but {sum(len(ids) for _, ids in seen)} were sampled "
+            f"and {ep.realigned_tokens} realigned"
+        )
     try:
         env.check_tokenization(ep)
     except M.TokenizationMismatch as e:
@@ -80,49 +97,69 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
     """Simulate episodes with and without thinking: tool turns, then a new user turn after the tool
     cycle. Report, per setting, whether extension holds at each boundary, the samples a T-turn episode
     makes, and any invariant violation."""
-    cfg = M.Config(system_prompt="You are a helpful assistant.", tool_format=tool_format, max_env_steps=100,
-                   thinking_retention=thinking_retention, tokenization_check="strict")
+    cfg = M.Config(
+        system_prompt="You are a helpful assistant.",
+        tool_format=tool_format,
+        max_env_steps=100,
+        thinking_retention=thinking_retention,
+        tokenization_check="strict",
+    )
     env = M.MultiTurnToolEnv(tokenizer, [_sim_search], cfg)
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
 
-    call, answer = SCRIPTED.get(tool_format) or (env.fmt.call_text, env.fmt.answer_text)   # another format: its own
+    call, answer = SCRIPTED.get(tool_format) or (env.fmt.call_text, env.fmt.answer_text)  # another format: its own
 
     report = {"thinking_retention": thinking_retention, "tool_format": tool_format, "settings": {}}
     for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
         cfg.chat_template_kwargs = {} if think else {"enable_thinking": False}
         th = (lambda x: think.format(x)) if think else (lambda x: "")
-        script = [("assistant", th("I should search.") + call("six times seven")),
-                  ("assistant", th("Search once more.") + call("multiplication")),
-                  ("assistant", th("Both agree.") + answer("42")),
-                  ("user", "Why is that?"),
-                  ("assistant", th("Look it up.") + call("why 42")),
-                  ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42."))]
+        script = [
+            ("assistant", th("I should search.") + call("six times seven")),
+            ("assistant", th("Search once more.") + call("multiplication")),
+            ("assistant", th("Both agree.") + answer("42")),
+            ("user", "Why is that?"),
+            ("assistant", th("Look it up.") + call("why 42")),
+            ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42.")),
+        ]
         ep, seen = simulate_episode(env, script, eos)
         violations = check_invariants(ep, seen, env)
         for b in ep.boundaries:
             if b["realigned"]:
-                b["why"] = ("the chat template re-renders only the previous turn's tail (whitespace or an end marker): "
-                            "REALIGN keeps one sample, and those sampled tokens become context")
+                b["why"] = (
+                    "the chat template re-renders only the previous turn's tail (whitespace or an end marker): "
+                    "REALIGN keeps one sample, and those sampled tokens become context"
+                )
             elif not b["extends"]:
-                b["why"] = ("the chat template renders earlier turns differently once a new user query arrives "
-                            "(e.g. it drops past <think> blocks): the sample forks here" if b["kind"] == "user" else
-                            "the chat template re-renders the previous turn differently from what was sampled: the sample forks")
-        report["settings"][setting] = {"extension_holds": all(b["extends"] for b in ep.boundaries),
-                                       "samples_per_episode": len(ep.samples), "turns": len(seen),
-                                       "boundaries": ep.boundaries, "violations": violations}
+                b["why"] = (
+                    "the chat template renders earlier turns differently once a new user query arrives "
+                    "(e.g. it drops past <think> blocks): the sample forks here"
+                    if b["kind"] == "user"
+                    else "the chat template re-renders the previous turn differently from what was sampled: the sample forks"
+                )
+        report["settings"][setting] = {
+            "extension_holds": all(b["extends"] for b in ep.boundaries),
+            "samples_per_episode": len(ep.samples),
+            "turns": len(seen),
+            "boundaries": ep.boundaries,
+            "violations": violations,
+        }
     st = report["settings"].values()
-    report.update(extension_holds=all(x["extension_holds"] for x in st),
-                  samples_per_episode=max(x["samples_per_episode"] for x in st),
-                  boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
-                  violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]])
+    report.update(
+        extension_holds=all(x["extension_holds"] for x in st),
+        samples_per_episode=max(x["samples_per_episode"] for x in st),
+        boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
+        violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]],
+    )
     return report
 
 
 def main(argv=None):
     import argparse
     from transformers import AutoTokenizer
-    ap = argparse.ArgumentParser(prog="mt_grpo_trainer.py check-template",
-                                 description="Check a chat template for multi-turn RL before training.")
+
+    ap = argparse.ArgumentParser(
+        prog="mt_grpo_trainer.py check-template", description="Check a chat template for multi-turn RL before training."
+    )
     ap.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
     ap.add_argument("--chat-template", help="a .jinja file that replaces the tokenizer's chat template")
     ap.add_argument("--thinking-retention", default="template", choices=M.choices()["thinking_retention"])
@@ -141,17 +178,22 @@ def main(argv=None):
     else:
         print(f"check-template: {a.tokenizer} (thinking_retention={a.thinking_retention}, tool_format={a.tool_format})")
         for name, x in r["settings"].items():
-            marks = " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
-                             for b in x["boundaries"])
+            marks = " ".join(
+                f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
+                for b in x["boundaries"]
+            )
             print(f"  {name:<12} {x['turns']} turns -> {x['samples_per_episode']} sample(s) | boundaries: {marks}")
             for b in x["boundaries"]:
                 if not b["extends"]:
                     print(f"      turn {b['turn']}: {b['why']}")
             for v in x["violations"]:
                 print(f"      VIOLATION {v}")
-        print("  extension holds on every boundary" if r["extension_holds"] else
-              "  extension breaks at the boundaries marked REALIGN (one sample; rollout/realigns in training) or FORK "
-              "(a new sample; rollout/forks)")
+        print(
+            "  extension holds on every boundary"
+            if r["extension_holds"]
+            else "  extension breaks at the boundaries marked REALIGN (one sample; rollout/realigns in training) or FORK "
+            "(a new sample; rollout/forks)"
+        )
     return 1 if r["violations"] else 0
 
 

@@ -6,6 +6,7 @@ plain HF model folder, for `eval`, vLLM or release.
 
 It lives beside the trainer, not in it, because training never needs it.
 """
+
 import os
 import sys
 
@@ -15,11 +16,14 @@ def main(argv: list[str]) -> int:
         sys.exit("usage: python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR")
     checkpoint, out = argv
     if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
-        sys.exit(f"mt-grpo: error: {checkpoint} holds no LoRA adapter (adapter_config.json); a checkpoint of full "
-                 "fine-tuning is a model folder already")
+        sys.exit(
+            f"mt-grpo: error: {checkpoint} holds no LoRA adapter (adapter_config.json); a checkpoint of full "
+            "fine-tuning is a model folder already"
+        )
     import torch
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
+
     AutoPeftModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).merge_and_unload().save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     print(f"[mt-grpo] {checkpoint} merged into {out}")

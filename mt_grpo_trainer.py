@@ -38,6 +38,7 @@ Left out on purpose (and why):
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
   its sampling logprobs cost every step's full-vocabulary scores; a 30-line KV-cache decode loop is exact and bounded.
 """
+
 from __future__ import annotations
 
 import ast
@@ -78,6 +79,7 @@ import yaml
 
 # === 1. Config ===========================================================================
 
+
 @dataclass
 class Config:
     # --- model and data
@@ -87,8 +89,10 @@ class Config:
     """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
     dataset: str = "tasks/toy_kv.py:make_dataset"
     """Prompts: a .jsonl file, or `file.py:function` returning a list of dicts; each row needs `prompt`."""
-    system_prompt: str = ('Think inside <reasoning>...</reasoning>. Then either call a tool as <tool>{"name": NAME, '
-                          '"args": {...}}</tool> or give the final answer as <answer>...</answer>.\nTools:\n{tools}')
+    system_prompt: str = (
+        'Think inside <reasoning>...</reasoning>. Then either call a tool as <tool>{"name": NAME, '
+        '"args": {...}}</tool> or give the final answer as <answer>...</answer>.\nTools:\n{tools}'
+    )
     """System prompt; `{tools}` is replaced by one line per tool (name, signature, docstring)."""
     tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
     """Tool functions as `file.py:function`; the model calls each by its function name."""
@@ -252,11 +256,17 @@ class Config:
 
 def choices() -> dict[str, tuple]:
     """The values each variant key accepts, read from the registries: a mode registered from outside is valid too."""
-    return {"advantage_mode": tuple(ADVANTAGE_MODES), "loss_aggregation": tuple(LOSS_AGGREGATIONS),
-            "tool_format": tuple(TOOL_FORMATS), "lr_scheduler": ("constant", "linear", "cosine"),
-            "mixed_precision": ("auto", "bf16", "no"), "report_to": ("none", "wandb"),
-            "weight_sync": ("filesystem", "nccl"), "thinking_retention": ("template", "tool_cycle", "all"),
-            "tokenization_check": ("strict", "ignore_strippable", "off")}
+    return {
+        "advantage_mode": tuple(ADVANTAGE_MODES),
+        "loss_aggregation": tuple(LOSS_AGGREGATIONS),
+        "tool_format": tuple(TOOL_FORMATS),
+        "lr_scheduler": ("constant", "linear", "cosine"),
+        "mixed_precision": ("auto", "bf16", "no"),
+        "report_to": ("none", "wandb"),
+        "weight_sync": ("filesystem", "nccl"),
+        "thinking_retention": ("template", "tool_cycle", "all"),
+        "tokenization_check": ("strict", "ignore_strippable", "off"),
+    }
 
 
 class ConfigError(ValueError):
@@ -265,37 +275,41 @@ class ConfigError(ValueError):
 
 # === 2. Data types: what a rollout produces and the loss consumes ========================
 
+
 @dataclass
 class Completion:
     """One sampler reply."""
-    ids: list[int]            # sampled token ids, verbatim (EOS / stop-completing token included)
-    logprobs: list[float]     # log-probability of each sampled id under the sampling distribution
-    finish_reason: str        # "stop" (EOS or a stop string) | "length" (max_tokens reached)
-    version: int = 0          # policy version (weight syncs so far) when it was requested: its oldest token's
+
+    ids: list[int]  # sampled token ids, verbatim (EOS / stop-completing token included)
+    logprobs: list[float]  # log-probability of each sampled id under the sampling distribution
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_tokens reached)
+    version: int = 0  # policy version (weight syncs so far) when it was requested: its oldest token's
 
 
 @dataclass
 class Turn:
     """One assistant turn of an episode: `sampled_len` tokens sampled after a prompt of `prompt_len` tokens."""
+
     prompt_len: int
-    sampled_len: int   # its ids and logprobs are in the sample that holds it, from `prompt_len` on
+    sampled_len: int  # its ids and logprobs are in the sample that holds it, from `prompt_len` on
 
 
 @dataclass
 class Sample:
     """One training sequence. All per-token lists have the same length (I2)."""
+
     input_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)        # 1 = sampled by the policy (I1, I3)
+    loss_mask: list[int] = field(default_factory=list)  # 1 = sampled by the policy (I1, I3)
     sampler_logprobs: list[float] = field(default_factory=list)
-    turn_idx: list[int] = field(default_factory=list)         # assistant turn of the token, -1 if not sampled
+    turn_idx: list[int] = field(default_factory=list)  # assistant turn of the token, -1 if not sampled
     advantages: list[float] = field(default_factory=list)
-    n_messages: int = 0                                       # messages of the episode this sample covers
-    last_prompt_len: int = 0                                  # tokens the sampler saw before this sample's last turn
-    versions: list[int] = field(default_factory=list)         # policy version that sampled the token, -1 if not sampled
-    text: str = ""                                            # the held text: dec(input_ids), kept as they grow
-    prompt_chars: int = 0                                     # characters of `text` in the sampler's last prompt
-    think_tokens: int = 0                                     # <think> tokens in that prompt
-    episode_tokens: int = 0                                   # trained tokens of its episode's samples (0: its own)
+    n_messages: int = 0  # messages of the episode this sample covers
+    last_prompt_len: int = 0  # tokens the sampler saw before this sample's last turn
+    versions: list[int] = field(default_factory=list)  # policy version that sampled the token, -1 if not sampled
+    text: str = ""  # the held text: dec(input_ids), kept as they grow
+    prompt_chars: int = 0  # characters of `text` in the sampler's last prompt
+    think_tokens: int = 0  # <think> tokens in that prompt
+    episode_tokens: int = 0  # trained tokens of its episode's samples (0: its own)
 
     def truncate(self, n: int, text: str):
         for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions"):
@@ -313,48 +327,56 @@ class Sample:
 @dataclass
 class Episode:
     """One conversation: its messages (what the rewards see) and its samples (what the loss sees)."""
+
     row: dict
-    messages: list[dict]                                    # prompt messages, then the conversation
+    messages: list[dict]  # prompt messages, then the conversation
     n_prompt_messages: int
     turns: list[Turn] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     done: bool = False
-    end_reason: str = ""                                    # answer | no_action | empty | max_env_steps | truncated | context
+    end_reason: str = ""  # answer | no_action | empty | max_env_steps | truncated | context
     tool_calls: int = 0
     tool_errors: int = 0
-    tool_output_replaced: int = 0                           # characters of tool output the tokenizer could not take
-    first_result_turn: int | None = None                    # first assistant turn after a tool result
+    tool_output_replaced: int = 0  # characters of tool output the tokenizer could not take
+    first_result_turn: int | None = None  # first assistant turn after a tool result
     forks: int = 0
-    realigns: int = 0                                       # boundaries where REALIGN kept one sample (next_prompt)
-    realigned_tokens: int = 0                               # sampled tokens REALIGN turned into context (mask 0)
+    realigns: int = 0  # boundaries where REALIGN kept one sample (next_prompt)
+    realigned_tokens: int = 0  # sampled tokens REALIGN turned into context (mask 0)
     rewards: dict[str, float] = field(default_factory=dict)
     turn_reward: float = 0.0
     outcome_reward: float = 0.0
     advantages: list[float] = field(default_factory=list)  # one per assistant turn (ep.turns): its tokens' advantage
-    raw: dict[int, str] = field(default_factory=dict)      # message index -> sampled text of that assistant turn
-    forced: str = ""                                        # text the generation prompt forced on the next turn
-    boundaries: list[dict] = field(default_factory=list)   # one per turn boundary: kind (tool|user), extends
-    thinking_tokens_kept: int = 0                           # <think> tokens in the prompts the sampler saw
+    raw: dict[int, str] = field(default_factory=dict)  # message index -> sampled text of that assistant turn
+    forced: str = ""  # text the generation prompt forced on the next turn
+    boundaries: list[dict] = field(default_factory=list)  # one per turn boundary: kind (tool|user), extends
+    thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
 
     @property
     def completion(self) -> list[dict]:
-        return self.messages[self.n_prompt_messages:]
+        return self.messages[self.n_prompt_messages :]
 
     def mark(self) -> tuple:
         """What `undo` needs to take the next prompt back: the counts it may raise, and the held sample's fields (its
         lists from its last turn on, where a REALIGN may cut them)."""
         s = self.samples[-1] if self.samples else None
-        held = {k: v[s.last_prompt_len:] if isinstance(v, list) else v for k, v in vars(s).items()} if s else {}
-        return (len(self.samples), len(self.boundaries), self.forks, self.realigns, self.realigned_tokens,
-                self.thinking_tokens_kept, held)
+        held = {k: v[s.last_prompt_len :] if isinstance(v, list) else v for k, v in vars(s).items()} if s else {}
+        return (
+            len(self.samples),
+            len(self.boundaries),
+            self.forks,
+            self.realigns,
+            self.realigned_tokens,
+            self.thinking_tokens_kept,
+            held,
+        )
 
     def undo(self, mark: tuple):
         n, b, self.forks, self.realigns, self.realigned_tokens, self.thinking_tokens_kept, held = mark
         del self.samples[n:], self.boundaries[b:]
         for k, v in held.items():
             if isinstance(v, list):
-                getattr(self.samples[-1], k)[held["last_prompt_len"]:] = v
+                getattr(self.samples[-1], k)[held["last_prompt_len"] :] = v
             else:
                 setattr(self.samples[-1], k, v)
 
@@ -368,6 +390,7 @@ def new_episode(row: dict, system_prompt: str) -> Episode:
 
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
+
 class RewardError(ConfigError):
     """A reward function raised, hung, or returned the wrong length or a non-number: the run stops (I6)."""
 
@@ -376,8 +399,13 @@ class Stopped(RewardError):
     """SIGTERM or a first Ctrl-C while a reward function ran: train() drops the step, saves the last completed one."""
 
 
-def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: float = Config.reward_timeout,
-          stop_event: threading.Event | None = None) -> list[float]:
+def score(
+    episodes: list[Episode],
+    funcs: list,
+    weights: list[float],
+    timeout: float = Config.reward_timeout,
+    stop_event: threading.Event | None = None,
+) -> list[float]:
     """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`. Each runs in a worker
     on its own copy of both (an edit it makes reaches neither the next function nor the episode), for at most
     `timeout` seconds, and is abandoned at once when `stop_event` is set (a function may never return)."""
@@ -392,19 +420,30 @@ def score(episodes: list[Episode], funcs: list, weights: list[float], timeout: f
         try:
             err = call_exception(fut, timeout, stop_event)
         except (concurrent.futures.TimeoutError, Stopped) as e:
-            reward_pool().add_worker()   # that worker may never come back: abandon it, keep the pool's size
-            raise e if isinstance(e, Stopped) else RewardError(
-                f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected") from None
-        if err:   # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
-            hint = "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
-            raise RewardError(f"{where} raised {type(err).__name__}: {err}{hint}  (dataset columns: {', '.join(columns)})") from err
+            reward_pool().add_worker()  # that worker may never come back: abandon it, keep the pool's size
+            raise (
+                e
+                if isinstance(e, Stopped)
+                else RewardError(
+                    f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected"
+                )
+            ) from None
+        if err:  # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
+            hint = (
+                "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
+            )
+            raise RewardError(
+                f"{where} raised {type(err).__name__}: {err}{hint}  (dataset columns: {', '.join(columns)})"
+            ) from err
         vals = fut.result()
         if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
             raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
         for i, (ep, v) in enumerate(zip(episodes, vals)):
             if not (isinstance(v, (numbers.Real, np.bool_)) or (torch.is_tensor(v) and v.ndim == 0)):
-                raise RewardError(f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
-                                  "return ints, floats or bools (numpy and 0-d torch scalars are fine)")
+                raise RewardError(
+                    f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
+                    "return ints, floats or bools (numpy and 0-d torch scalars are fine)"
+                )
             v = float(v)
             if not math.isfinite(v):
                 raise RewardError(f"{where} returned {v} for episode {i}")
@@ -418,11 +457,12 @@ def check_rewards(rows: list[dict], funcs: list, system_prompt: str, timeout: fl
     column or returns junk stops the run at once."""
     eps = [new_episode(r, system_prompt) for r in rows[:2]]
     for ep in eps:
-        ep.messages.append({"role": "assistant", "content": "."})   # a reply in no tool format: rewards must score it
+        ep.messages.append({"role": "assistant", "content": "."})  # a reply in no tool format: rewards must score it
     score(eps, funcs, [1.0] * len(funcs), timeout)
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
+
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
@@ -439,8 +479,10 @@ def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) 
     A_O on the later ones."""
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
     a_t = cfg.turn_advantage_coef * group_normalize(turn_R, cfg.scale_rewards)
-    return [[float(o + t if ep.first_result_turn is None or i < ep.first_result_turn else o) for i in range(len(ep.turns))]
-            for ep, o, t in zip(episodes, a_o, a_t)]
+    return [
+        [float(o + t if ep.first_result_turn is None or i < ep.first_result_turn else o) for i in range(len(ep.turns))]
+        for ep, o, t in zip(episodes, a_o, a_t)
+    ]
 
 
 def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -456,8 +498,11 @@ def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Conf
 
 # advantage_mode -> fn(episodes, turn_R, outcome_R, cfg) -> one list per episode of a group, one advantage per assistant
 # turn (ep.turns). A new mode is one function and one entry here (also from outside: M.ADVANTAGE_MODES["mine"] = fn).
-ADVANTAGE_MODES = {"mt_grpo": mt_grpo_advantages, "grpo_outcome": grpo_outcome_advantages,
-                   "grpo_merged": grpo_merged_advantages}
+ADVANTAGE_MODES = {
+    "mt_grpo": mt_grpo_advantages,
+    "grpo_outcome": grpo_outcome_advantages,
+    "grpo_merged": grpo_merged_advantages,
+}
 
 
 def token_advantages(turn_idx, loss_mask, advantages: list[float]) -> list[float]:
@@ -471,12 +516,14 @@ def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: l
     Writes each episode's rewards and its per-turn advantages, and every sample's per-token advantages."""
     G = cfg.num_generations
     for g in range(0, len(episodes), G):
-        group = episodes[g:g + G]
-        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, turn_R[g:g + G], outcome_R[g:g + G], cfg)
+        group = episodes[g : g + G]
+        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, turn_R[g : g + G], outcome_R[g : g + G], cfg)
         if [len(a) for a in per_turn] != [len(ep.turns) for ep in group]:
-            raise ConfigError(f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
-                              f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns")
-        for ep, tr, orr, adv in zip(group, turn_R[g:g + G], outcome_R[g:g + G], per_turn):
+            raise ConfigError(
+                f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
+                f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns"
+            )
+        for ep, tr, orr, adv in zip(group, turn_R[g : g + G], outcome_R[g : g + G], per_turn):
             ep.turn_reward, ep.outcome_reward, ep.advantages = tr, orr, [float(a) for a in adv]
             for s in ep.samples:
                 s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.advantages)
@@ -488,8 +535,11 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
     Each kept sample notes its episode's trained tokens over the kept samples (what sequence_mean divides by)."""
     kept, rejected = [], 0
     for ep in episodes:
-        samples = [s for s in ep.samples if any(s.loss_mask)
-                   and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))]
+        samples = [
+            s
+            for s in ep.samples
+            if any(s.loss_mask) and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))
+        ]
         finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
         for s in finite:
             s.episode_tokens = sum(sum(x.loss_mask) for x in finite)
@@ -499,6 +549,7 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
 
 
 # --- loss -------------------------------------------------------------------------------------
+
 
 def token_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over every trained token of the batch (each token weighs the same, as in DAPO)."""
@@ -517,8 +568,22 @@ def sequence_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
 LOSS_AGGREGATIONS = {"token_mean": token_mean, "sequence_mean": sequence_mean}
 
 
-def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float, aggregation: str,
-              num_tokens: int, num_seqs: int, seq_tokens=None, beta: float = 0.0, ref_logp=None, is_weight=None):
+def grpo_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    *,
+    epsilon: float,
+    epsilon_high: float,
+    aggregation: str,
+    num_tokens: int,
+    num_seqs: int,
+    seq_tokens=None,
+    beta: float = 0.0,
+    ref_logp=None,
+    is_weight=None,
+):
     """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch:
 
         loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
@@ -542,15 +607,18 @@ def grpo_loss(logp, old_logp, adv, mask, *, epsilon: float, epsilon_high: float,
     kl = torch.zeros_like(logp)
     if beta > 0:
         d = ref_logp - logp
-        kl = torch.exp(d) - d - 1                      # k3 estimator of KL(pi || ref), >= 0
+        kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || ref), >= 0
         per_token = per_token + beta * kl
     mask = mask.to(logp.dtype)
     seq_tokens = mask.sum(-1) if seq_tokens is None else seq_tokens
     loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, seq_tokens, num_tokens, num_seqs)
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)   # clipped: min takes the clipped term, so the token gets no policy gradient
-        stats = {"clip_frac": ((clipped * adv < ratio * adv).to(mask.dtype) * mask).sum() / n,
-                 "kl": (kl * mask).sum() / n, "ratio": (ratio * mask).sum() / n}
+        n = mask.sum().clamp(min=1)  # clipped: min takes the clipped term, so the token gets no policy gradient
+        stats = {
+            "clip_frac": ((clipped * adv < ratio * adv).to(mask.dtype) * mask).sum() / n,
+            "kl": (kl * mask).sum() / n,
+            "ratio": (ratio * mask).sum() / n,
+        }
     return loss, stats
 
 
@@ -570,10 +638,11 @@ def parse_json(payload: str):
 class XMLTools:
     """The paper's protocol: <reasoning>, then <tool>{"name", "args"}</tool> or <answer>...</answer>.
     Generation stops at </tool> or </answer>; a result comes back as a user message <result>...</result>."""
+
     args_key, stop = "args", ("</tool>", "</answer>")
 
     def __init__(self, tools):
-        self.schemas = None   # the tools are described in the system prompt instead
+        self.schemas = None  # the tools are described in the system prompt instead
 
     def parse(self, text: str) -> tuple[dict, list]:
         """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
@@ -593,6 +662,7 @@ class XMLTools:
 class NativeTools:
     """The chat template's own tool calling: JSON schemas in, <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes)
     calls out, results as role 'tool'. Generation stops at EOS; a turn without a call is the answer."""
+
     args_key, stop = "arguments", ()
 
     def __init__(self, tools):
@@ -601,11 +671,19 @@ class NativeTools:
     def parse(self, text: str) -> tuple[dict, list]:
         calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
         if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return {"role": "assistant", "content": text}, calls   # no call, or a bad one kept as sampled (run_tools reports it)
+            return {
+                "role": "assistant",
+                "content": text,
+            }, calls  # no call, or a bad one kept as sampled (run_tools reports it)
         # templates put one "\n" between content and the first call: that one is theirs, not content
-        msg = {"role": "assistant", "content": text[: text.index("<tool_call>")].removesuffix("\n"),
-               "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-                              for c in calls]}
+        msg = {
+            "role": "assistant",
+            "content": text[: text.index("<tool_call>")].removesuffix("\n"),
+            "tool_calls": [
+                {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+                for c in calls
+            ],
+        }
         return msg, calls
 
     def result(self, text: str) -> dict:
@@ -626,7 +704,11 @@ TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 def tool_schema(fn) -> dict:
     """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
     doc = inspect.getdoc(fn) or ""
-    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M)) if "Args:" in doc else {}
+    arg_docs = (
+        dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M))
+        if "Args:" in doc
+        else {}
+    )
     hints = typing.get_type_hints(fn)
     json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
     props, required = {}, []
@@ -637,19 +719,27 @@ def tool_schema(fn) -> dict:
             props[name]["description"] = arg_docs[name].strip()
         if p.default is inspect.Parameter.empty:
             required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " "),
-                                             "parameters": {"type": "object", "properties": props, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc.split("\n\n")[0].replace("\n", " "),
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
-    lines = [f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
-             for t in tools]   # name, signature, first paragraph of the docstring
+    lines = [
+        f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
+        for t in tools
+    ]  # name, signature, first paragraph of the docstring
     return cfg.system_prompt.replace("{tools}", "\n".join(lines))
 
 
 # === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
 
-BRIDGE_CHECKS = 3   # an env's first bridged prompts, each compared with the full rendering (see MultiTurnToolEnv.bridge)
+BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full rendering (see MultiTurnToolEnv.bridge)
 
 
 class TokenizationMismatch(RuntimeError):
@@ -669,38 +759,44 @@ class MultiTurnToolEnv:
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
         self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
         self.system_prompt = system_prompt_for(cfg, list(self.tools.values()))
-        self.bridge_checks = 0   # bridged prompts found equal to the full rendering so far; -1: the bridge is off
-        self.stubs = {}          # the bridge's stub -> its rendering without and with the generation prompt
+        self.bridge_checks = 0  # bridged prompts found equal to the full rendering so far; -1: the bridge is off
+        self.stubs = {}  # the bridge's stub -> its rendering without and with the generation prompt
 
     @functools.cached_property
-    def pool(self) -> DaemonPool:   # made on the first tool call: an env that runs no tool starts no threads
+    def pool(self) -> DaemonPool:  # made on the first tool call: an env that runs no tool starts no threads
         return DaemonPool(32)
 
     @functools.cached_property
     def one_call_per_turn(self) -> bool:
         """Whether the chat template refuses an assistant message with several tool calls (Llama 3.1's raises)."""
         from jinja2 import TemplateError
+
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         with contextlib.suppress(TemplateError):
-            self.tok.apply_chat_template([{"role": "user", "content": "."}, {"role": "assistant", "content": "",
-                                          "tool_calls": [call, call]}], tools=self.schemas, tokenize=False,
-                                         **self.cfg.chat_template_kwargs)
+            self.tok.apply_chat_template(
+                [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call, call]}],
+                tools=self.schemas,
+                tokenize=False,
+                **self.cfg.chat_template_kwargs,
+            )
             return False
         return True
 
     def new_episode(self, row: dict) -> Episode:
         ep = new_episode(row, self.system_prompt)
-        ep.messages = [{**m, "content": self.norm(m["content"])} if isinstance(m.get("content"), str) else m
-                       for m in ep.messages]
+        ep.messages = [
+            {**m, "content": self.norm(m["content"])} if isinstance(m.get("content"), str) else m for m in ep.messages
+        ]
         return ep
 
     def norm(self, text: str) -> str:
         """Text as the tokenizer reads it. Qwen's tokenizers NFC-normalise, so a decomposed character ("n\u0303") would
         come back composed from its ids: the held text and a fresh rendering would differ (a false fork or mismatch)."""
         from tokenizers import normalizers as N
+
         n = getattr(getattr(self.tok, "backend_tokenizer", None), "normalizer", None)
         if not isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) or unicodedata.is_normalized(type(n).__name__, text):
-            return text   # this quick check reads a long rendering 15x faster than the tokenizer's normalizer
+            return text  # this quick check reads a long rendering 15x faster than the tokenizer's normalizer
         return n.normalize_str(text)
 
     def enc(self, text: str) -> list[int]:
@@ -723,43 +819,56 @@ class MultiTurnToolEnv:
             return set(raw)
         if mode == "tool_cycle":
             last_query = max((i for i, m in enumerate(messages) if self.is_query(m)), default=-1)
-            if any(map(self.fmt.is_result, messages[last_query + 1:])):
+            if any(map(self.fmt.is_result, messages[last_query + 1 :])):
                 return {i for i in raw if i > last_query}
         return set()
 
-    def render(self, messages, raw: dict[int, str], add_generation_prompt: bool = True,
-               verbatim: set[int] | None = None) -> str:
+    def render(
+        self, messages, raw: dict[int, str], add_generation_prompt: bool = True, verbatim: set[int] | None = None
+    ) -> str:
         """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
         rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
         of turns before the last multiple of N of the turns in `raw`."""
         n = self.cfg.thinking_compaction_turns
         cut = len(raw) // n * n if n else 0
         compacted = set(sorted(raw)[:cut])
-        msgs = [{**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)]
+        msgs = [
+            {**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)
+        ]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
         final = set() if add_generation_prompt else {len(messages) - 1}
         verbatim = self.verbatim_turns(messages, raw) if verbatim is None else verbatim
         holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
-        text = self.tok.apply_chat_template(msgs, tools=self.schemas, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
+        text = self.tok.apply_chat_template(
+            msgs,
+            tools=self.schemas,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.cfg.chat_template_kwargs,
+        )
         for i, h in holes.items():
             assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
             text = text.replace(h, raw[i])
-        return self.norm(text)   # sampled text and tool docstrings may hold what the tokenizer normalises
+        return self.norm(text)  # sampled text and tool docstrings may hold what the tokenizer normalises
 
     def forced_prefix(self, messages, raw, prompt_text: str) -> str:
         """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
         `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
-        verbatim = self.verbatim_turns(messages, raw)    # the probe's extra user message must not change it
+        verbatim = self.verbatim_turns(messages, raw)  # the probe's extra user message must not change it
         base = self.render(messages, raw, False, verbatim=verbatim)
-        hole = "\u27e6mt-grpo next\u27e7"   # followed by a user message, so it is rendered as history
-        probe = self.render(messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}], raw, False, verbatim=verbatim)
+        hole = "\u27e6mt-grpo next\u27e7"  # followed by a user message, so it is rendered as history
+        probe = self.render(
+            messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}],
+            raw,
+            False,
+            verbatim=verbatim,
+        )
         if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
             return ""
-        gen, header = prompt_text[len(base):], probe[len(base):probe.index(hole)]
-        return gen[len(header):] if gen.startswith(header) else ""
+        gen, header = prompt_text[len(base) :], probe[len(base) : probe.index(hole)]
+        return gen[len(header) :] if gen.startswith(header) else ""
 
     def next_prompt(self, ep: Episode) -> list[int]:
         """Extend the episode's sample with the environment's tokens, or fork a new one (I4).
@@ -780,22 +889,22 @@ class MultiTurnToolEnv:
         text = (self.bridge(ep, s) if s else None) or self.render(ep.messages, ep.raw)
         ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         if s:
-            boundary = "user" if any(map(self.is_query, ep.messages[max(ep.raw, default=-1) + 1:])) else "tool"
+            boundary = "user" if any(map(self.is_query, ep.messages[max(ep.raw, default=-1) + 1 :])) else "tool"
             extends = text.startswith(s.text)
             realign = None if extends else self.realign_point(s, text)
-            gone = sum(s.loss_mask[realign[0]:]) if realign else 0   # the last turn's sampled tokens REALIGN untrains
+            gone = sum(s.loss_mask[realign[0] :]) if realign else 0  # the last turn's sampled tokens REALIGN untrains
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
             if realign:
                 ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
                 s.truncate(*realign)
-            elif not extends:   # a fork: this sample closes
+            elif not extends:  # a fork: this sample closes
                 ep.forks += 1
                 s = None
-        if s is None:   # the episode's first prompt, or a fork
+        if s is None:  # the episode's first prompt, or a fork
             ep.samples.append(s := Sample())
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
-        s.think_tokens += sum(len(self.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars:]))
-        self.append(s, self.enc(text[len(s.text):]), mask=0)
+        s.think_tokens += sum(len(self.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
+        self.append(s, self.enc(text[len(s.text) :]), mask=0)
         s.prompt_chars, ep.thinking_tokens_kept = len(s.text), ep.thinking_tokens_kept + s.think_tokens
         return list(s.input_ids)
 
@@ -814,21 +923,29 @@ class MultiTurnToolEnv:
         Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
         thinking_retention other than template, and for good once it has differed from the full rendering on one
         of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
-        last = max(ep.raw)   # the sampled assistant message
+        last = max(ep.raw)  # the sampled assistant message
         new = ep.messages[last:]
-        if (self.bridge_checks < 0 or self.cfg.thinking_retention != "template" or self.cfg.thinking_compaction_turns
-                or any(map(self.is_query, new))):
+        if (
+            self.bridge_checks < 0
+            or self.cfg.thinking_retention != "template"
+            or self.cfg.thinking_compaction_turns
+            or any(map(self.is_query, new))
+        ):
             return None
         query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
-        render = functools.partial(self.tok.apply_chat_template, tools=self.schemas, tokenize=False,
-                                   **self.cfg.chat_template_kwargs)
+        render = functools.partial(
+            self.tok.apply_chat_template, tools=self.schemas, tokenize=False, **self.cfg.chat_template_kwargs
+        )
         stub = [ep.messages[i] for i in sorted({0, query})]
-        key = json.dumps([stub, self.cfg.chat_template_kwargs], sort_keys=True)   # a tool cycle's stub: render it once
+        key = json.dumps([stub, self.cfg.chat_template_kwargs], sort_keys=True)  # a tool cycle's stub: render it once
         if key not in self.stubs:
-            self.stubs = {**(self.stubs if len(self.stubs) < 256 else {}), key: (render(stub), render(stub, add_generation_prompt=True))}
+            self.stubs = {
+                **(self.stubs if len(self.stubs) < 256 else {}),
+                key: (render(stub), render(stub, add_generation_prompt=True)),
+            }
         (base, gen), full = self.stubs[key], render(stub + new, add_generation_prompt=True)
-        start = s.prompt_chars - (len(gen) - len(base))   # where the sampled turn's message begins in the held text
-        text = s.text[:start] + self.norm(full[len(base):]) if gen.startswith(base) and full.startswith(base) else None
+        start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
+        text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:
             self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
         return text if self.bridge_checks >= 0 else None
@@ -838,14 +955,16 @@ class MultiTurnToolEnv:
         tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
         special tokens (a trimmed newline, a re-rendered end marker). Returns the held tokens to keep and their text, or None."""
         lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
-        head, tail = s.text[:s.prompt_chars], s.input_ids[lp:]
+        head, tail = s.text[: s.prompt_chars], s.input_ids[lp:]
         if not n or not text.startswith(head):
             return None
-        for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):   # keep the most sampled tokens that still match
+        for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):  # keep the most sampled tokens that still match
             kept = head + self.dec(tail[:k])
             if text.startswith(kept):
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-                rest = gone[len(os.path.commonprefix([gone, text[len(kept):]])):]   # what the fresh text does not repeat
+                rest = gone[
+                    len(os.path.commonprefix([gone, text[len(kept) :]])) :
+                ]  # what the fresh text does not repeat
                 return (lp + k, kept) if not rest.strip() else None
         return None
 
@@ -876,7 +995,7 @@ class MultiTurnToolEnv:
                 # arrives while we wait is raised here, in the main thread, and stops the run.
                 err = fut if isinstance(fut, Exception) else call_exception(fut, self.cfg.tool_timeout)
             except concurrent.futures.TimeoutError:
-                self.pool.add_worker()   # that worker is stuck in the tool: abandon it, keep the pool's size
+                self.pool.add_worker()  # that worker is stuck in the tool: abandon it, keep the pool's size
                 err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
             out = None if err else fut.result()
             if err or out is None:
@@ -884,7 +1003,7 @@ class MultiTurnToolEnv:
                 out = f"Error: {type(err).__name__}: {err}" if err else "Error: the tool returned None"
             out, cap = str(out), self.cfg.tool_output_max_chars
             out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
-            clean = out.encode("utf-8", "replace").decode("utf-8")   # lone surrogates cannot be tokenized: '?'
+            clean = out.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be tokenized: '?'
             ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
             clean = self.norm(clean)
             results.append(clean)
@@ -897,22 +1016,28 @@ class MultiTurnToolEnv:
         s.last_prompt_len = len(s.input_ids)
         ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
         self.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
-        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids   # the template adds EOS
+        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids  # the template adds EOS
         text = self.dec(content_ids)
         msg, calls = self.fmt.parse(text)
-        if len(msg.get("tool_calls", ())) > 1 and self.one_call_per_turn:   # the sampled text and one error result (I6)
-            msg, calls = {"role": "assistant", "content": text}, [ValueError(
-                f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran")]
+        if len(msg.get("tool_calls", ())) > 1 and self.one_call_per_turn:  # the sampled text and one error result (I6)
+            msg, calls = (
+                {"role": "assistant", "content": text},
+                [
+                    ValueError(
+                        f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran"
+                    )
+                ],
+            )
         ep.raw[len(ep.messages)] = ep.forced + text
         ep.messages.append(msg)
         s.n_messages = len(ep.messages)
         if c.finish_reason == "length":
-            ep.done, ep.end_reason = True, "truncated"          # a cut tool call is never run
+            ep.done, ep.end_reason = True, "truncated"  # a cut tool call is never run
         elif not text.strip():
-            ep.done, ep.end_reason = True, "empty"              # nothing (or only EOS) was sampled
+            ep.done, ep.end_reason = True, "empty"  # nothing (or only EOS) was sampled
         elif not calls:
             ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
-        elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:   # every call counts, several in one turn too
+        elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:  # every call counts, several in one turn too
             ep.done, ep.end_reason = True, "max_env_steps"
         else:
             if ep.first_result_turn is None:
@@ -923,25 +1048,33 @@ class MultiTurnToolEnv:
     def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
         active = eps = [self.new_episode(r) for r in rows]
-        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))   # a server's context may be less
+        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
         while active:
             prompts, budgets = [], []
             for ep in active:
                 mark = ep.mark()
                 prompts.append(self.next_prompt(ep))
                 budgets.append(min(self.cfg.max_tokens, room - len(prompts[-1])))
-                if budgets[-1] < 1:   # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
-                    ep.undo(mark)     # exceeds the room and every sampled token stays trained
+                if budgets[-1] < 1:  # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
+                    ep.undo(mark)  # exceeds the room and every sampled token stays trained
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
-                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live],
-                                        0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
+                outs = sampler.generate(
+                    [prompts[i] for i in live],
+                    [budgets[i] for i in live],
+                    0.0 if greedy else self.cfg.temperature,
+                    self.cfg.top_p,
+                    self.stop,
+                    generator,
+                )
                 self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
             active = [ep for ep in active if not ep.done]
         for ep in eps:
-            assert all(len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions)
-                       == len(s.input_ids) for s in ep.samples), "I2: out of step"
+            assert all(
+                len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions) == len(s.input_ids)
+                for s in ep.samples
+            ), "I2: out of step"
             ep.tokenization_mismatches = self.check_tokenization(ep)
         return eps
 
@@ -953,11 +1086,13 @@ class MultiTurnToolEnv:
         if mode == "off":
             return 0
         for k, s in enumerate(ep.samples):
-            if s.text != self.dec(s.input_ids):   # what the bridge and extension compared: a bug, not a template's
-                raise TokenizationMismatch(f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append")
+            if s.text != self.dec(s.input_ids):  # what the bridge and extension compared: a bug, not a template's
+                raise TokenizationMismatch(
+                    f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append"
+                )
             if not s.n_messages:
                 continue
-            last = s.n_messages - 1   # the sample's last assistant message
+            last = s.n_messages - 1  # the sample's last assistant message
             held = self.dec(s.input_ids[: s.last_prompt_len])
             fresh = self.render(ep.messages[:last], {i: r for i, r in ep.raw.items() if i < last})
             if fresh == held:
@@ -969,15 +1104,16 @@ class MultiTurnToolEnv:
             raise TokenizationMismatch(
                 f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
                 f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
-                f"  trained : ...{held[max(0, at - 80):at + 80]!r}\n  template: ...{fresh[max(0, at - 80):at + 80]!r}\n"
+                f"  trained : ...{held[max(0, at - 80) : at + 80]!r}\n  template: ...{fresh[max(0, at - 80) : at + 80]!r}\n"
                 "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
-                "tokenization_check: ignore_strippable (whitespace-only differences) or off.")
+                "tokenization_check: ignore_strippable (whitespace-only differences) or off."
+            )
         return found
 
 
 # === 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates ===
 
-LOGPROB_CHUNK = 2**24   # logits elements per float32 chunk in token_logprobs (64 MB)
+LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in token_logprobs (64 MB)
 
 
 def token_logprobs(model, ids, attn, temperature: float):
@@ -985,29 +1121,41 @@ def token_logprobs(model, ids, attn, temperature: float):
     [B, T, vocab] float32 log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at
     a time and is recomputed in backward (checkpoint): only the model-dtype logits are kept."""
     logits, t = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1), temperature if temperature > 0 else 1.0
+
     def chunk(x, y):
         return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
-    n = max(1, LOGPROB_CHUNK // logits.shape[-1])   # tokens per chunk
-    next_ids = ids.roll(-1, 1).flatten()             # a row's last token gets a dummy (its first), dropped below
-    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)
-          for x, y in zip(logits.split(n), next_ids.split(n))]
+
+    n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
+    next_ids = ids.roll(-1, 1).flatten()  # a row's last token gets a dummy (its first), dropped below
+    lp = [
+        torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)
+        for x, y in zip(logits.split(n), next_ids.split(n))
+    ]
     return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
     T = max(len(s.input_ids) for s in samples)
+
     def pad(key, fill, dtype):
-        return torch.tensor([getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device)
-    return {"ids": pad("input_ids", pad_id, torch.long), "mask": pad("loss_mask", 0, torch.long),
-            "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32), "adv": pad("advantages", 0.0, torch.float32),
-            "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
-            "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device)}
+        return torch.tensor(
+            [getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device
+        )
+
+    return {
+        "ids": pad("input_ids", pad_id, torch.long),
+        "mask": pad("loss_mask", 0, torch.long),
+        "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32),
+        "adv": pad("advantages", 0.0, torch.float32),
+        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
+        "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device),
+    }
 
 
 def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
     """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
     if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i:i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
     mbs: list[list[Sample]] = []
     for s in sorted(samples, key=lambda s: -len(s.input_ids)):
         if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
@@ -1017,20 +1165,26 @@ def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
     return mbs
 
 
-def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple[list[dict], dict]:
+def prepare_microbatches(
+    model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device
+) -> tuple[list[dict], dict]:
     """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
     in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
     groups = make_microbatches(samples, cfg)
-    real, padded = all_reduce(sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups))
+    real, padded = all_reduce(
+        sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
+    )
     n_mb = int(all_reduce(len(groups), op="max")[0])
-    filler = Sample(input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], versions=[-1], advantages=[0.0])
+    filler = Sample(
+        input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], versions=[-1], advantages=[0.0]
+    )
     mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
             if cfg.num_iterations > 1:
                 mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-            if cfg.beta > 0:   # with LoRA the reference is the policy itself with its adapters off
+            if cfg.beta > 0:  # with LoRA the reference is the policy itself with its adapters off
                 with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
                     mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
     return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
@@ -1049,20 +1203,41 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
     mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
-    sums = {"loss/policy": 0.0, "loss/clip_frac": 0.0, "loss/kl": 0.0, "loss/ratio": 0.0, "loss/is_weight": 0.0,
-            "rollout/sampler_logprob_diff": 0.0}   # mean |old - sampler| over trained tokens: the mismatch behind is_weight
+    sums = {
+        "loss/policy": 0.0,
+        "loss/clip_frac": 0.0,
+        "loss/kl": 0.0,
+        "loss/ratio": 0.0,
+        "loss/is_weight": 0.0,
+        "rollout/sampler_logprob_diff": 0.0,
+    }  # mean |old - sampler| over trained tokens: the mismatch behind is_weight
     for it in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(mbs):
-            with gradient_sync(model, j == len(mbs) - 1):   # reduce over ranks once, after the last micro-batch
+            with gradient_sync(model, j == len(mbs) - 1):  # reduce over ranks once, after the last micro-batch
                 with autocast(cfg, device):
                     logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
                 old = mb.get("old", logp.detach())
-                isw = (torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
-                       if cfg.is_ratio_cap > 0 else None)
-                loss, st = grpo_loss(logp, old, mb["adv"], mb["mask"], epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                     aggregation=cfg.loss_aggregation, num_tokens=num_tokens, num_seqs=num_seqs,
-                                     seq_tokens=mb["seq_tokens"], beta=cfg.beta, ref_logp=mb.get("ref"), is_weight=isw)
+                isw = (
+                    torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
+                    if cfg.is_ratio_cap > 0
+                    else None
+                )
+                loss, st = grpo_loss(
+                    logp,
+                    old,
+                    mb["adv"],
+                    mb["mask"],
+                    epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    aggregation=cfg.loss_aggregation,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    seq_tokens=mb["seq_tokens"],
+                    beta=cfg.beta,
+                    ref_logp=mb.get("ref"),
+                    is_weight=isw,
+                )
                 (loss * world).backward()
             w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
             sums["loss/policy"] += loss.item() / cfg.num_iterations
@@ -1071,31 +1246,47 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
             if isw is not None:
                 sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
             if it == 0:
-                sums["rollout/sampler_logprob_diff"] += ((old - mb["sampler_logp"]).abs() * mb["mask"]).sum().item() / num_tokens
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                sums["rollout/sampler_logprob_diff"] += (
+                    (old - mb["sampler_logp"]).abs() * mb["mask"]
+                ).sum().item() / num_tokens
+        gn = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        )
         optimizer.step()
         scheduler.step()
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn   # FSDP2 returns a DTensor
-    return {**dict(zip(sums, all_reduce(*sums.values()))), "loss/grad_norm": float(gn), "loss/lr": scheduler.get_last_lr()[0], **info}
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # FSDP2 returns a DTensor
+    return {
+        **dict(zip(sums, all_reduce(*sums.values()))),
+        "loss/grad_norm": float(gn),
+        "loss/lr": scheduler.get_last_lr()[0],
+        **info,
+    }
 
 
 def lr_lambda(cfg: Config):
     total = max(1, cfg.max_steps * cfg.num_iterations)
+
     def f(step):
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
         return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
+
     return f
 
 
 # === 7. The training loop ================================================================
 
+
 def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
     """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated G times. They depend only on
     (seed, step, draw), never on what ran before: a resumed run neither repeats nor skips a prompt."""
     rng = random.Random(cfg.seed * 1_000_003 + step + 7_919_993 * draw)
-    picked = rng.sample(rows, cfg.prompts_per_step) if len(rows) >= cfg.prompts_per_step else rng.choices(rows, k=cfg.prompts_per_step)
+    picked = (
+        rng.sample(rows, cfg.prompts_per_step)
+        if len(rows) >= cfg.prompts_per_step
+        else rng.choices(rows, k=cfg.prompts_per_step)
+    )
     return [r for r in picked for _ in range(cfg.num_generations)]
 
 
@@ -1115,17 +1306,24 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         # 3. advantage: normalised within each group, one per assistant turn, which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         drawn += outcome_R
-        groups = [episodes[g:g + G] for g in range(0, len(episodes), G)]
+        groups = [episodes[g : g + G] for g in range(0, len(episodes), G)]
         flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
         kept += [g for g in groups if not any(g is f for f in flat)]
         missing = len(run.batch(step)) // G - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
-        rows = run.batch(step, draw + 1)[:missing * G]
+        rows = run.batch(step, draw + 1)[: missing * G]
         extra += missing
     # reward/outcome covers the trained groups only, biased by the filter: this covers every episode rolled out
-    m = {"rollout/groups_filtered": len(drawn) // G - len(kept), "rollout/extra_draws": extra,
-         "reward/outcome_before_filter": float(np.mean(drawn))} if cfg.filter_zero_spread_groups else {}
+    m = (
+        {
+            "rollout/groups_filtered": len(drawn) // G - len(kept),
+            "rollout/extra_draws": extra,
+            "reward/outcome_before_filter": float(np.mean(drawn)),
+        }
+        if cfg.filter_zero_spread_groups
+        else {}
+    )
     return [ep for g in kept + flat[:missing] for ep in g], {**m, "time/rollout": time.time() - t0}
 
 
@@ -1148,7 +1346,7 @@ class RolloutProducer:
                 return
             try:
                 self.ready.put(collect(self.run, step))
-            except BaseException as e:   # handed to the trainer, which raises it
+            except BaseException as e:  # handed to the trainer, which raises it
                 return self.ready.put(e)
 
     def take(self, step: int) -> tuple[list[Episode], dict]:
@@ -1158,10 +1356,14 @@ class RolloutProducer:
             raise out
         episodes, m = out
         m["time/wait_rollout"] = time.time() - t0
-        if self.k:   # how many versions before the update each trained token was sampled (the permits keep it <= k)
+        if self.k:  # how many versions before the update each trained token was sampled (the permits keep it <= k)
             ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
-            m.update({"rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
-                      "rollout/staleness_max": max(ages, default=0)})
+            m.update(
+                {
+                    "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
+                    "rollout/staleness_max": max(ages, default=0),
+                }
+            )
         return episodes, m
 
     def advance(self):
@@ -1175,7 +1377,7 @@ class RolloutProducer:
 
 def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     """The whole run. Returns the logged metrics, one dict per step."""
-    run = setup(cfg, eval_only)   # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
+    run = setup(cfg, eval_only)  # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
     try:
@@ -1185,9 +1387,9 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             #      max_staleness >= 1, already run by the producer thread while the trainer updated on earlier steps
             try:
                 episodes, m_roll = run.rollouts.take(step)
-            except Stopped:   # a signal while a reward function ran (it may never return): this step is dropped
+            except Stopped:  # a signal while a reward function ran (it may never return): this step is dropped
                 episodes = None
-            if all_reduce(float(episodes is None))[0]:   # on any rank: all ranks stop, with the weights of `step` steps
+            if all_reduce(float(episodes is None))[0]:  # on any rank: all ranks stop, with the weights of `step` steps
                 run.save_and_stop(step)
                 break
             # 4. update: PPO-clip on exactly the sampled tokens (I1)
@@ -1200,8 +1402,15 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                 m.update(run.sync(step + 1))
                 run.rollouts.advance()
             # 6. log: every rank's means, averaged on rank 0; evaluate when due
-            m.update({**episode_metrics(episodes), **m_roll, "rollout/rejected_nonfinite": rejected,
-                      "time/train": t_train, "time/step": time.time() - t0})
+            m.update(
+                {
+                    **episode_metrics(episodes),
+                    **m_roll,
+                    "rollout/rejected_nonfinite": rejected,
+                    "time/train": t_train,
+                    "time/step": time.time() - t0,
+                }
+            )
             run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
             if run.stop_requested():
@@ -1209,7 +1418,7 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                 break
             if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
                 save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
-    finally:   # the producer thread (max_staleness >= 1) stops with the loop, however it ends
+    finally:  # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
 
@@ -1221,12 +1430,23 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     cfg, rank, world, reward_fns, eps = run.cfg, run.rank, run.world, run.turn_fns + run.outcome_fns, []
     mine, chunk = run.eval_rows[rank::world], cfg.prompts_per_step * cfg.num_generations // world
     for i in range(0, len(mine), chunk):
-        eps += run.env.rollout(mine[i:i + chunk], run.sampler, greedy=True)
+        eps += run.env.rollout(mine[i : i + chunk], run.sampler, greedy=True)
     if eps:
-        score(eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout)   # bounded; a signal waits for the step's end
-    records = [{"step": step, "row": rank + world * i, "messages": ep.messages, "rewards": ep.rewards,
-                "end_reason": ep.end_reason, "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors}
-               for i, ep in enumerate(eps)]
+        score(
+            eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout
+        )  # bounded; a signal waits for the step's end
+    records = [
+        {
+            "step": step,
+            "row": rank + world * i,
+            "messages": ep.messages,
+            "rewards": ep.rewards,
+            "end_reason": ep.end_reason,
+            "tool_calls": ep.tool_calls,
+            "tool_errors": ep.tool_errors,
+        }
+        for i, ep in enumerate(eps)
+    ]
     records = [r for part in gather_to_rank0(records) for r in part]
     if rank != 0:
         return {}
@@ -1248,24 +1468,30 @@ def evaluate(run, step: int, record: bool = False) -> dict:
 
 # === 8. CLI ==============================================================================
 
+
 def print_help():
     docs, hints, allowed, ranges = field_docs(), typing.get_type_hints(Config), choices(), field_ranges()
-    print(__doc__.split("\n\nThe invariants")[0] + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
-          "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
-          "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
-          "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:")
+    print(
+        __doc__.split("\n\nThe invariants")[0]
+        + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
+        "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
+        "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
+        "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:"
+    )
     for name, default in dataclasses.asdict(Config()).items():
         one_of = f"; one of {', '.join(allowed[name])}" if name in allowed else ""
         one_of += f", range {ranges[name]}" if name in ranges else ""
-        print(f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{one_of})\n"
-              f"      {docs.get(name, '')}")
+        print(
+            f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{one_of})\n"
+            f"      {docs.get(name, '')}"
+        )
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
-    if argv[0] in ("check-template", "merge-lora"):   # tools around training live beside this file, off its path
+    if argv[0] in ("check-template", "merge-lora"):  # tools around training live beside this file, off its path
         sys.exit(load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])(argv[1:]))
     eval_only = argv[0] == "eval"
     if argv[0] in ("train", "eval"):
@@ -1274,17 +1500,21 @@ def main(argv=None):
     try:
         cfg = load_config(recipe, argv[1:] if recipe else argv)
         train(cfg, eval_only)
-        if "RANK" in os.environ:   # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
+        if "RANK" in os.environ:  # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
             exit_now(0)
     except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
         exit_now(1)
     except KeyboardInterrupt:
-        print("\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected", file=sys.stderr, flush=True)
+        print(
+            "\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected",
+            file=sys.stderr,
+            flush=True,
+        )
         exit_now(130)
     except BaseException:
-        if dist.is_initialized():   # torchrun stops the other ranks once this one exits: never a hang
+        if dist.is_initialized():  # torchrun stops the other ranks once this one exits: never a hang
             traceback.print_exc()
             exit_now(1)
         raise
@@ -1295,42 +1525,44 @@ def main(argv=None):
 
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
+
 @dataclass
 class Run:
     """What `train()` uses: plug-ins, model and optimizer, environment, sampler, logger, rank, start step, signals.
     `setup` sets the fields from `tools` on, in the order listed; until then each holds its default."""
+
     cfg: Config
     rank: int
     world: int
     device: torch.device
-    is_main = property(lambda self: self.rank == 0)   # rank 0 prints, writes the run folder and talks to the server
-    stop_event: threading.Event = field(default_factory=threading.Event)   # SIGTERM or a first Ctrl-C sets it
-    stop_signal: str = ""                                      # the name of the signal that set it
+    is_main = property(lambda self: self.rank == 0)  # rank 0 prints, writes the run folder and talks to the server
+    stop_event: threading.Event = field(default_factory=threading.Event)  # SIGTERM or a first Ctrl-C sets it
+    stop_signal: str = ""  # the name of the signal that set it
     tools: list[typing.Callable] = field(default_factory=list)
-    turn_fns: list[typing.Callable] = field(default_factory=list)      # turn-level reward functions
-    outcome_fns: list[typing.Callable] = field(default_factory=list)   # outcome-level reward functions
-    turn_w: list[float] = field(default_factory=list)                  # the weights of turn_fns
-    outcome_w: list[float] = field(default_factory=list)               # the weights of outcome_fns
-    rows: list[dict] = field(default_factory=list)                     # the dataset
-    eval_rows: list[dict] = field(default_factory=list)                # the rows evaluated (of eval_dataset)
-    lock: typing.TextIO | None = None                          # rank 0's hold on output_dir (see hold_output_dir)
-    src: str = ""                                              # where the weights came from: a checkpoint or the model
-    tokenizer: typing.Any = None                               # a transformers tokenizer
-    model: torch.nn.Module | None = None                       # the HF (or peft) module: what is saved and synced
-    ref_model: torch.nn.Module | None = None                   # the frozen reference (beta > 0); with LoRA `model`
-    policy: torch.nn.Module | None = None                      # `model` wrapped in DDP or FSDP2: what the loss runs
+    turn_fns: list[typing.Callable] = field(default_factory=list)  # turn-level reward functions
+    outcome_fns: list[typing.Callable] = field(default_factory=list)  # outcome-level reward functions
+    turn_w: list[float] = field(default_factory=list)  # the weights of turn_fns
+    outcome_w: list[float] = field(default_factory=list)  # the weights of outcome_fns
+    rows: list[dict] = field(default_factory=list)  # the dataset
+    eval_rows: list[dict] = field(default_factory=list)  # the rows evaluated (of eval_dataset)
+    lock: typing.TextIO | None = None  # rank 0's hold on output_dir (see hold_output_dir)
+    src: str = ""  # where the weights came from: a checkpoint or the model
+    tokenizer: typing.Any = None  # a transformers tokenizer
+    model: torch.nn.Module | None = None  # the HF (or peft) module: what is saved and synced
+    ref_model: torch.nn.Module | None = None  # the frozen reference (beta > 0); with LoRA `model`
+    policy: torch.nn.Module | None = None  # `model` wrapped in DDP or FSDP2: what the loss runs
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-    start: int = 0                                             # the step the run starts from (a checkpoint's)
+    start: int = 0  # the step the run starts from (a checkpoint's)
     env: MultiTurnToolEnv | None = None
-    pad_id: int = 0                                            # the token that pads micro-batches
-    sampler: LocalSampler | VLLMServerClient | None = None     # or any class with the interface of appendix C
-    probe_ids: list[int] = field(default_factory=list)         # the weight-sync check's fixed sequence
-    probe_ref: tuple | None = None                             # its reference: (version, server's, trainer's, gap)
-    steps: typing.Any = None                                   # a tqdm over the steps to run
-    logger: MetricsLogger | None = None                        # None with the eval command
+    pad_id: int = 0  # the token that pads micro-batches
+    sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
+    probe_ids: list[int] = field(default_factory=list)  # the weight-sync check's fixed sequence
+    probe_ref: tuple | None = None  # its reference: (version, server's, trainer's, gap)
+    steps: typing.Any = None  # a tqdm over the steps to run
+    logger: MetricsLogger | None = None  # None with the eval command
     rollouts: RolloutProducer | None = None
-    handlers: dict = field(default_factory=dict)               # the signal handlers on_signal replaced (close restores)
+    handlers: dict = field(default_factory=dict)  # the signal handlers on_signal replaced (close restores)
 
     def say(self, msg: str):
         if self.is_main:
@@ -1338,7 +1570,7 @@ class Run:
 
     def batch(self, step: int, draw: int = 0) -> list[dict]:
         per_rank = self.cfg.prompts_per_step * self.cfg.num_generations // self.world
-        return rows_for_step(self.rows, self.cfg, step, draw)[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return rows_for_step(self.rows, self.cfg, step, draw)[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def generator(self, step: int, draw: int = 0) -> torch.Generator:
         seed = self.cfg.seed * 1_000_003 + step + 100_003 * self.rank + 7_919_993 * draw
@@ -1349,48 +1581,52 @@ class Run:
         a fixed probe sequence (a failed, partial or skipped reload would otherwise train silently off-policy): the
         server's logprobs match the trainer's (another model, a broken reload), and their change since the last judged
         sync follows the trainer's (a reload that did nothing: one step moves logprobs less than the bf16 gap)."""
-        if self.sampler.policy_version is None:   # in-process: it samples from the weights being trained
+        if self.sampler.policy_version is None:  # in-process: it samples from the weights being trained
             return {}
         t = time.time()
         sd, _ = full_state(self.model, None, self.cfg.fsdp)
         if dist.is_initialized() and not self.is_main:
-            dist.barrier()   # the other ranks follow once rank 0's call returned: the server holds the new weights
+            dist.barrier()  # the other ranks follow once rank 0's call returned: the server holds the new weights
         self.sampler.sync_weights(self.model, sd if self.is_main else None, version)
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
-        if self.cfg.sync_check_max_diff > 0:   # every rank runs the forward (FSDP); rank 0 asks the server
+        if self.cfg.sync_check_max_diff > 0:  # every rank runs the forward (FSDP); rank 0 asks the server
             ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
-            with torch.no_grad():   # float32: the trainer's own change on the probe is exact; no dropout, as the server
+            with torch.no_grad():  # float32: the trainer's own change on the probe is exact; no dropout, as the server
                 own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
             self.model.train(was)
-            stats = [0.0] * 5   # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
+            stats = [0.0] * 5  # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
             if self.is_main:
                 srv = torch.tensor(self.sampler.probe_logprobs(self.probe_ids))
                 stats[0] = float((srv - own).abs().mean())
-                self.probe_ref = self.probe_ref or (version, srv, own, stats[0])   # the first sync: the first reference
+                self.probe_ref = self.probe_ref or (version, srv, own, stats[0])  # the first sync: the first reference
                 stats[4], ref_srv, ref_own, ref_gap = self.probe_ref
                 d_srv, d_own = srv - ref_srv, own - ref_own
                 stats[1] = float(d_own.abs().mean())
                 # Judged once the trainer's change is 4x the precision gap: a smaller (sub-ulp) step may leave the bf16
                 # weights as they were, so changes accumulate from the last judged sync until they can be told apart.
-                if stats[1] > 4 * ref_gap:   # the slope of the server's change on the trainer's: ~1 followed, 0 not
+                if stats[1] > 4 * ref_gap:  # the slope of the server's change on the trainer's: ~1 followed, 0 not
                     stats[2:4] = [1.0, float((d_srv * d_own).sum() / (d_own * d_own).sum())]
                     self.probe_ref = (version, srv, own, stats[0])
             diff, change, judged, follow, since = all_reduce(*stats)
             m["sync/probe_logprob_diff"], m["sync/probe_change"] = diff, change
             if diff > self.cfg.sync_check_max_diff:
-                raise SyncCheckError(f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
-                                     f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
-                                     f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
-                                     "server's log), another model on the server, or a larger precision gap (raise the bound).")
+                raise SyncCheckError(
+                    f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
+                    f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
+                    f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
+                    "server's log), another model on the server, or a larger precision gap (raise the bound)."
+                )
             if judged:
                 m["sync/probe_follow"] = follow
                 if follow < 0.5:
-                    raise SyncCheckError(f"weight sync check failed after step {version}: since step {since:.0f} the "
-                                         f"trainer's logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} "
-                                         f"on average, the server's by {follow:.2f} of that (1 = followed). Likely: the "
-                                         "reload did not take (see the server's log), or the server serves something else.")
+                    raise SyncCheckError(
+                        f"weight sync check failed after step {version}: since step {since:.0f} the "
+                        f"trainer's logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} "
+                        f"on average, the server's by {follow:.2f} of that (1 = followed). Likely: the "
+                        "reload did not take (see the server's log), or the server serves something else."
+                    )
         return m
 
     def check_logprobs_mode(self, prompt: list[int]):
@@ -1398,26 +1634,32 @@ class Run:
         top-p) while the trainer scores at the recipe's temperature: every importance weight would be biased. Four short
         samples at the recipe's temperature and top_p tell which the server returns."""
         cfg = self.cfg
-        if cfg.temperature == 1.0 and cfg.top_p == 1.0:   # nothing processed: the two modes agree
+        if cfg.temperature == 1.0 and cfg.top_p == 1.0:  # nothing processed: the two modes agree
             return
         srv, raw, processed = [], [], []
-        for c in self.sampler.generate([prompt] * 4, [16] * 4, cfg.temperature, cfg.top_p):   # each rank its own
+        for c in self.sampler.generate([prompt] * 4, [16] * 4, cfg.temperature, cfg.top_p):  # each rank its own
             ids = torch.tensor([prompt + c.ids], device=self.device)
-            with torch.no_grad():   # every rank runs the same number of forwards (FSDP)
-                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float().cpu()
+            with torch.no_grad():  # every rank runs the same number of forwards (FSDP)
+                logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().cpu()
             pick, lp = torch.tensor(c.ids, dtype=torch.long)[:, None], torch.log_softmax(logits / cfg.temperature, -1)
             raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
-        ok = [i for i, p in enumerate(processed) if math.isfinite(p)]   # not a token at the edge of the trainer's nucleus
+        ok = [
+            i for i, p in enumerate(processed) if math.isfinite(p)
+        ]  # not a token at the edge of the trainer's nucleus
         srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
-        n, to_raw, to_processed = all_reduce(len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed)))
-        if to_raw < to_processed / 2:   # clearly closer to the raw ones
-            raise SamplerError(f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
-                               f"at temperature={cfg.temperature}, top_p={cfg.top_p} as it samples: on {n:.0f} sampled tokens "
-                               f"they differ from the trainer's by {to_processed / n:.3f} on average, from its temperature-1 "
-                               f"logprobs by {to_raw / n:.3f}. Restart it with `--logprobs-mode processed_logprobs` (run.sh "
-                               "adds it), else every importance weight is biased.")
+        n, to_raw, to_processed = all_reduce(
+            len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed))
+        )
+        if to_raw < to_processed / 2:  # clearly closer to the raw ones
+            raise SamplerError(
+                f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
+                f"at temperature={cfg.temperature}, top_p={cfg.top_p} as it samples: on {n:.0f} sampled tokens "
+                f"they differ from the trainer's by {to_processed / n:.3f} on average, from its temperature-1 "
+                f"logprobs by {to_raw / n:.3f}. Restart it with `--logprobs-mode processed_logprobs` (run.sh "
+                "adds it), else every importance weight is biased."
+            )
 
     def on_signal(self, signum, frame):
         """SIGTERM or a first Ctrl-C: finish the step (or drop it, if a reward function is running), save, exit (no more
@@ -1427,22 +1669,28 @@ class Run:
         self.stop_signal = signal.Signals(signum).name
         self.stop_event.set()
         if signum == signal.SIGINT:
-            self.say("\n[mt-grpo] Ctrl-C: finishing this step (dropping it if a reward function is running), then "
-                     "saving a checkpoint; Ctrl-C again aborts at once")
+            self.say(
+                "\n[mt-grpo] Ctrl-C: finishing this step (dropping it if a reward function is running), then "
+                "saving a checkpoint; Ctrl-C again aborts at once"
+            )
 
     def save_and_stop(self, step: int):
         """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
         path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
-        if not (path == os.path.abspath(self.src) or step > self.start and every and step % every == 0):   # not saved yet
+        if not (
+            path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
+        ):  # not saved yet
             path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
-        self.say(f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
-                 f"{path}; continue with resume_from_checkpoint=auto")
+        self.say(
+            f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
+            f"{path}; continue with resume_from_checkpoint=auto"
+        )
 
     def eval_due(self, step: int) -> bool:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
 
     def stop_requested(self) -> bool:
-        return all_reduce(float(self.stop_event.is_set()))[0] > 0   # any rank's signal stops every rank
+        return all_reduce(float(self.stop_event.is_set()))[0] > 0  # any rank's signal stops every rank
 
     def close(self, history: list[dict]) -> list[dict]:
         if self.logger:
@@ -1459,7 +1707,7 @@ class Run:
                 os.remove(self.lock.name)
             self.lock.close()
         if dist.is_initialized():
-            dist.barrier()   # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
+            dist.barrier()  # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
             dist.destroy_process_group()
         return history
 
@@ -1468,6 +1716,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     """Plug-ins and rewards first (a bad recipe fails in seconds), then the run folder, the model
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
     from tqdm import tqdm
+
     resolve_paths(cfg)
     run = Run(cfg, *init_distributed(cfg))
     random.seed(cfg.seed + run.rank)
@@ -1480,29 +1729,42 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
             prepare_output_dir(cfg, ckpt, eval_only, run.say)
         except OSError as e:
-            raise ConfigError(f"cannot write the run folder '{cfg.output_dir}': {e.strerror or e}; set output_dir to "
-                              "a folder you can write to") from None
+            raise ConfigError(
+                f"cannot write the run folder '{cfg.output_dir}': {e.strerror or e}; set output_dir to "
+                "a folder you can write to"
+            ) from None
         build_model_if_missing(cfg, run.say)
     if dist.is_initialized():
-        dist.barrier()   # the model folder exists for every rank
+        dist.barrier()  # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
-    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(cfg, run.src, run.device)
+    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(
+        cfg, run.src, run.device
+    )
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
-    run.sampler = (VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop_event, run.say)
-                   if cfg.vllm_server_url else LocalSampler(run.model, run.tokenizer))   # a new sampler: a line here
+    run.sampler = (
+        VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop_event, run.say)
+        if cfg.vllm_server_url
+        else LocalSampler(run.model, run.tokenizer)
+    )  # a new sampler: a line here
     prompt_ids = run.env.enc(run.env.render(run.env.new_episode(run.rows[0]).messages, {}))
-    run.probe_ids = prompt_ids[:64]   # the sync check's fixed sequence
-    run.sync(run.start)   # a server may hold other weights (another run's, or not this checkpoint's)
-    if not eval_only and run.sampler.policy_version is not None:   # eval is greedy; in-process they are the trainer's
+    run.probe_ids = prompt_ids[:64]  # the sync check's fixed sequence
+    run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
+    if not eval_only and run.sampler.policy_version is not None:  # eval is greedy; in-process they are the trainer's
         run.check_logprobs_mode(prompt_ids)
     if eval_only:
         return run
-    run.steps = tqdm(range(run.start, cfg.max_steps), initial=run.start, total=cfg.max_steps, desc="mt-grpo",
-                     dynamic_ncols=True, disable=not run.is_main)
+    run.steps = tqdm(
+        range(run.start, cfg.max_steps),
+        initial=run.start,
+        total=cfg.max_steps,
+        desc="mt-grpo",
+        dynamic_ncols=True,
+        disable=not run.is_main,
+    )
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
     if threading.current_thread() is threading.main_thread():
@@ -1514,7 +1776,7 @@ def resolve_paths(cfg: Config):
     """The run's folders, made absolute once, before anything is written: a tool or reward function that calls
     os.chdir moves no log, checkpoint or lock, and config.yaml records the folders used."""
     cfg.output_dir, cfg.weight_sync_dir = os.path.abspath(cfg.output_dir), os.path.abspath(cfg.weight_sync_dir)
-    if cfg.model_builder or os.path.exists(cfg.model_name_or_path):   # a local folder, not a hub id
+    if cfg.model_builder or os.path.exists(cfg.model_name_or_path):  # a local folder, not a hub id
         cfg.model_name_or_path = os.path.abspath(cfg.model_name_or_path)
     if cfg.resume_from_checkpoint not in ("", "auto"):
         cfg.resume_from_checkpoint = os.path.abspath(cfg.resume_from_checkpoint)
@@ -1528,33 +1790,46 @@ def load_plugins(run: Run, eval_only: bool):
     specs = cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs
     for i, (spec, fn) in enumerate(zip(specs, run.tools + run.turn_fns + run.outcome_fns)):
         what = "tool" if i < len(run.tools) else "reward function"
-        lazy = [f for f in (fn, getattr(fn, "__call__", None)) if inspect.iscoroutinefunction(f)
-                or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)]   # returns before its body runs
-        if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):   # a tool is called by name
+        lazy = [
+            f
+            for f in (fn, type(fn).__call__ if not inspect.isroutine(fn) else None)
+            if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
+        ]  # returns before its body runs
+        if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):  # a tool is called by name
             kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
-            raise ConfigError(f"{what} '{spec}' is {kind}, not a function that returns its result; "
-                              "write it as a plain def")
-    for i, fn in enumerate(run.tools):   # the model calls a tool by name: a second tool of one name shadows the first
+            raise ConfigError(
+                f"{what} '{spec}' is {kind}, not a function that returns its result; write it as a plain def"
+            )
+    for i, fn in enumerate(run.tools):  # the model calls a tool by name: a second tool of one name shadows the first
         first = next(j for j, g in enumerate(run.tools) if g.__name__ == fn.__name__)
         if first < i:
-            raise ConfigError(f"tools '{cfg.tools[first]}' and '{cfg.tools[i]}' are both named '{fn.__name__}'; "
-                              "rename one")
+            raise ConfigError(
+                f"tools '{cfg.tools[first]}' and '{cfg.tools[i]}' are both named '{fn.__name__}'; rename one"
+            )
     run.turn_w = cfg.turn_reward_weights or [1.0] * len(run.turn_fns)
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
-    run.eval_rows = load_rows(cfg.eval_dataset)[:cfg.eval_max_examples or None] if cfg.eval_dataset else []
+    run.eval_rows = load_rows(cfg.eval_dataset)[: cfg.eval_max_examples or None] if cfg.eval_dataset else []
     check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools), cfg.reward_timeout)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
-        raise ConfigError(f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
-                          "sync_every=1: the in-process sampler shares the weights being trained, and staleness is counted "
-                          "in weight versions. Set max_staleness=0, or serve the policy with vLLM.")
+        raise ConfigError(
+            f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
+            "sync_every=1: the in-process sampler shares the weights being trained, and staleness is counted "
+            "in weight versions. Set max_staleness=0, or serve the policy with vLLM."
+        )
     if cfg.lora_rank and cfg.weight_sync == "nccl":
-        raise ConfigError("lora_rank > 0 syncs only the adapter, which the server loads from a folder: set weight_sync=filesystem")
+        raise ConfigError(
+            "lora_rank > 0 syncs only the adapter, which the server loads from a folder: set weight_sync=filesystem"
+        )
     if cfg.fsdp and not cfg.vllm_server_url:
-        raise ConfigError("fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
-                          "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does).")
+        raise ConfigError(
+            "fsdp: true needs vllm_server_url: the in-process sampler would run an FSDP all-gather per "
+            "decoded token, in lockstep across ranks. Serve the policy with vLLM (run.sh does)."
+        )
     if eval_only and not run.eval_rows:
-        raise ConfigError("eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows")
+        raise ConfigError(
+            "eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows"
+        )
 
 
 def hold_output_dir(cfg: Config, say):
@@ -1570,8 +1845,10 @@ def hold_output_dir(cfg: Config, say):
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise ConfigError(f"output_dir '{cfg.output_dir}' is in use by the run with PID {pid} on {host} (since {since}): "
-                          "wait for it, or choose another output_dir") from None
+        raise ConfigError(
+            f"output_dir '{cfg.output_dir}' is in use by the run with PID {pid} on {host} (since {since}): "
+            "wait for it, or choose another output_dir"
+        ) from None
     if pid and pid != str(os.getpid()):
         say(f"[mt-grpo] {path} was left by a run that is gone (PID {pid}): taking it over")
     f.truncate(0)
@@ -1583,13 +1860,15 @@ def hold_output_dir(cfg: Config, say):
 def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
     """Rank 0: a fresh run moves an earlier run in output_dir aside, then saves the resolved config."""
     if not ckpt and not eval_only and os.path.isfile(os.path.join(cfg.output_dir, "metrics.jsonl")):
-        old = f"{cfg.output_dir.rstrip('/')}.{time.strftime('%Y%m%d-%H%M%S')}"   # a fresh run never mixes with an earlier one
+        old = f"{cfg.output_dir.rstrip('/')}.{time.strftime('%Y%m%d-%H%M%S')}"  # a fresh run never mixes with an earlier one
         os.replace(cfg.output_dir, old)
-        say(f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
-            "(resume_from_checkpoint=auto continues a run instead)")
+        say(
+            f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
+            "(resume_from_checkpoint=auto continues a run instead)"
+        )
     os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
-        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)   # safe_dump quotes 'off', so it reloads as a string
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
 
 
 def build_model_if_missing(cfg: Config, say):
@@ -1603,7 +1882,7 @@ def build_model_if_missing(cfg: Config, say):
         builder = load_object(cfg.model_builder, "model builder")
         try:
             builder(tmp, system_prompt=system_prompt)
-        except Exception as e:   # nothing half-built is left, and the next run builds again
+        except Exception as e:  # nothing half-built is left, and the next run builds again
             shutil.rmtree(tmp, ignore_errors=True)
             raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
         os.replace(tmp, cfg.model_name_or_path)
@@ -1611,36 +1890,57 @@ def build_model_if_missing(cfg: Config, say):
     if os.path.isfile(report_path):
         with open(report_path) as f:
             rep = json.load(f)
-        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', report_path)}")
+        say(
+            f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', report_path)}"
+        )
 
 
 def load_models(cfg: Config, src: str, device: torch.device):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
     frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = pretrained(AutoTokenizer, src)
-    model = add_lora(pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src,
-                                dtype=torch.float32), cfg, src).to(device)
+    model = add_lora(
+        pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32),
+        cfg,
+        src,
+    ).to(device)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})   # DDP/FSDP-safe
-    ref_model = model if cfg.lora_rank else (pretrained(AutoModelForCausalLM, cfg.model_name_or_path,
-                                                        dtype=torch.float32).to(device).eval().requires_grad_(False)
-                                             if cfg.beta > 0 else None)
-    policy = wrap_model(model, cfg, device)   # what the loss runs through; `model` stays the HF (or peft) module
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
+    ref_model = (
+        model
+        if cfg.lora_rank
+        else (
+            pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32)
+            .to(device)
+            .eval()
+            .requires_grad_(False)
+            if cfg.beta > 0
+            else None
+        )
+    )
+    policy = wrap_model(model, cfg, device)  # what the loss runs through; `model` stays the HF (or peft) module
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        betas=tuple(cfg.adam_betas),
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
 
 
 def pretrained(cls, path: str, **kw):
     """`cls.from_pretrained(path)`: a folder that is not there, or a model that does not load, is one line."""
-    if not os.path.isdir(path) and not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", path):   # nor a hub id (org/name)
-        raise ConfigError(f"model_name_or_path '{path}' does not exist (no such folder); set it to a model folder or a "
-                          "hub id (org/name), or set model_builder to a function that builds it there")
+    if not os.path.isdir(path) and not re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", path):  # nor a hub id (org/name)
+        raise ConfigError(
+            f"model_name_or_path '{path}' does not exist (no such folder); set it to a model folder or a "
+            "hub id (org/name), or set model_builder to a function that builds it there"
+        )
     try:
         return cls.from_pretrained(path, **kw)
-    except (OSError, ValueError) as e:   # transformers: OSError for a missing file or repo, ValueError for a bad one
+    except (OSError, ValueError) as e:  # transformers: OSError for a missing file or repo, ValueError for a bad one
         folder, why = os.path.isdir(path), " ".join(str(e).split()).rstrip(".")
         tried = "from that folder" if folder else "as a hub id (no such folder)"
         fix = "check that it holds a model saved by save_pretrained" if folder else "check the id and the network"
@@ -1653,47 +1953,64 @@ def add_lora(model, cfg: Config, src: str = ""):
     if not cfg.lora_rank:
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
+
     if os.path.isfile(os.path.join(src, "adapter_config.json")):
         return PeftModel.from_pretrained(model, src, is_trainable=True)
     targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                target_modules=targets))
+        return get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets
+            ),
+        )
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
 
+
 def episode_metrics(eps: list[Episode]) -> dict:
     """This rank's rewards, advantages and rollout statistics for one step."""
     # adv/*: the mean |advantage| of the assistant turns before the first tool result (every turn without one), and after
-    before = [abs(a) for ep in eps for a in ep.advantages[:ep.first_result_turn]]
-    after = [abs(a) for ep in eps if ep.first_result_turn for a in ep.advantages[ep.first_result_turn:]]
-    return {"reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
-            "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
-            **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
-            "adv/before_abs": float(np.mean(before)) if before else 0.0,
-            "adv/after_abs": float(np.mean(after)) if after else 0.0, **rollout_metrics(eps)}
+    before = [abs(a) for ep in eps for a in ep.advantages[: ep.first_result_turn]]
+    after = [abs(a) for ep in eps if ep.first_result_turn for a in ep.advantages[ep.first_result_turn :]]
+    return {
+        "reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
+        "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
+        **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
+        "adv/before_abs": float(np.mean(before)) if before else 0.0,
+        "adv/after_abs": float(np.mean(after)) if after else 0.0,
+        **rollout_metrics(eps),
+    }
 
 
 def rollout_metrics(eps: list[Episode]) -> dict:
     n = len(eps)
     samples = [s for e in eps for s in e.samples]
-    return {"rollout/turns": sum(len(e.turns) for e in eps) / n, "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
-            "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
-            "rollout/tool_output_replaced": sum(e.tool_output_replaced for e in eps),
-            "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
-            "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
-            "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
-            "rollout/samples_per_episode": len(samples) / n, "rollout/forks": sum(e.forks for e in eps) / n,
-            "rollout/realigns": sum(e.realigns for e in eps) / n, "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
-            "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
-            # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
-            "rollout/tokens_per_turn_samples": sum(t.prompt_len + t.sampled_len for e in eps for t in e.turns) / n,
-            "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
-            "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
-            "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n,
-            **{f"rollout/tool_rate_turn{i}": sum(called(e) > i for e in eps) / n for i in range(max(map(called, eps), default=0))}}
+    return {
+        "rollout/turns": sum(len(e.turns) for e in eps) / n,
+        "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
+        "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
+        "rollout/tool_output_replaced": sum(e.tool_output_replaced for e in eps),
+        "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
+        "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
+        "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
+        "rollout/samples_per_episode": len(samples) / n,
+        "rollout/forks": sum(e.forks for e in eps) / n,
+        "rollout/realigns": sum(e.realigns for e in eps) / n,
+        "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
+        "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
+        # what one sample per turn would cost: every turn re-processes its whole prompt (O(T^2))
+        "rollout/tokens_per_turn_samples": sum(t.prompt_len + t.sampled_len for e in eps for t in e.turns) / n,
+        "rollout/thinking_tokens_kept": sum(e.thinking_tokens_kept for e in eps) / n,
+        "rollout/tokenization_mismatch": sum(e.tokenization_mismatches for e in eps),
+        "rollout/sampled_tokens": sum(sum(s.loss_mask) for s in samples) / n,
+        **{
+            f"rollout/tool_rate_turn{i}": sum(called(e) > i for e in eps) / n
+            for i in range(max(map(called, eps), default=0))
+        },
+    }
 
 
 def called(ep: Episode) -> int:
@@ -1714,22 +2031,52 @@ class ToolCollapseAlarm:
         mean = sum(self.recent) / len(self.recent)
         self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
         was, self.on = self.on, self.fraction > 0 and mean < self.fraction * self.peak
-        return (f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
-                f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}") if self.on and not was else ""
+        return (
+            (
+                f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
+                f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}"
+            )
+            if self.on and not was
+            else ""
+        )
 
 
 def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
-    same = ("messages", "end_reason", "tool_calls", "tool_errors", "forks", "realigns", "boundaries", "tokenization_mismatches",
-            "rewards", "turn_reward", "outcome_reward", "advantages", "first_result_turn")   # under the field's own name
-    return {"step": step, "episode": i, "group": i // cfg.num_generations, **{k: getattr(ep, k) for k in same},
-            "samples": [{k: getattr(s, k) for k in (
-                "input_ids", "loss_mask", "sampler_logprobs", "advantages", "turn_idx", "versions")} for s in ep.samples]}
+    same = (
+        "messages",
+        "end_reason",
+        "tool_calls",
+        "tool_errors",
+        "forks",
+        "realigns",
+        "boundaries",
+        "tokenization_mismatches",
+        "rewards",
+        "turn_reward",
+        "outcome_reward",
+        "advantages",
+        "first_result_turn",
+    )  # under the field's own name
+    return {
+        "step": step,
+        "episode": i,
+        "group": i // cfg.num_generations,
+        **{k: getattr(ep, k) for k in same},
+        "samples": [
+            {
+                k: getattr(s, k)
+                for k in ("input_ids", "loss_mask", "sampler_logprobs", "advantages", "turn_idx", "versions")
+            }
+            for s in ep.samples
+        ],
+    }
 
 
 class MetricsLogger:
     """One dict per step: every rank's means, averaged on rank 0 (ranks hold equally many episodes;
     counts are summed), to metrics.jsonl, wandb and one console line; every `log_episodes_steps`
     steps (and at a run's first step) the step's episodes, with the exact tensors trained, to episodes.jsonl."""
+
     COUNTS = ("rollout/tokenization_mismatch", "rollout/rejected_nonfinite", "rollout/tool_output_replaced")
 
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
@@ -1737,17 +2084,27 @@ class MetricsLogger:
         self.wandb, self.alarm = None, ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, dir=cfg.output_dir, config=dataclasses.asdict(cfg),
-                                    name=os.path.basename(cfg.output_dir.rstrip("/")), resume="allow")
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                dir=cfg.output_dir,
+                config=dataclasses.asdict(cfg),
+                name=os.path.basename(cfg.output_dir.rstrip("/")),
+                resume="allow",
+            )
 
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
-        records = [episode_record(step, self.rank * len(episodes) + i, ep, self.cfg) for i, ep in enumerate(episodes)] if dump else []
+        records = (
+            [episode_record(step, self.rank * len(episodes) + i, ep, self.cfg) for i, ep in enumerate(episodes)]
+            if dump
+            else []
+        )
         gathered = gather_to_rank0((m, records))
         if self.rank != 0:
             return
-        keys = dict.fromkeys(k for g in gathered for k in g[0])   # a rank may lack a rollout/tool_rate_turnN: rate 0
+        keys = dict.fromkeys(k for g in gathered for k in g[0])  # a rank may lack a rollout/tool_rate_turnN: rate 0
         m = {"step": step, **{k: float(np.mean([g[0].get(k, 0.0) for g in gathered])) for k in keys}}
         for k in self.COUNTS:
             m[k] *= self.world
@@ -1759,10 +2116,12 @@ class MetricsLogger:
             f.write(json.dumps(m) + "\n")
         if self.wandb:
             self.wandb.log(m, step=step)
-        self.write(f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
-                   f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
-                   f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
-                   f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s")
+        self.write(
+            f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
+            f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
+            f"tool_calls {m['rollout/tool_calls']:.2f} | turns {m['rollout/turns']:.2f} | "
+            f"tokens {m['rollout/tokens_trained']:.0f} | {m['time/step']:.2f}s"
+        )
         if warning:
             self.write(warning)
         if dump:
@@ -1775,7 +2134,9 @@ def summarize(cfg: Config, history: list[dict]):
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
     k = min(10, len(history))
-    print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:")
+    print(
+        f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:"
+    )
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
         first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
         print(f"  {key:<22} {history[0][key]:.3f} | {first:.3f} -> {last:.3f}")
@@ -1794,18 +2155,27 @@ def summarize(cfg: Config, history: list[dict]):
 #   others' with None once it returned; then probe_logprobs(ids), rank 0's, the logprobs of ids[1:] at temperature 1;
 # - close(): at the end of a run, on every rank.
 
+
 class LocalSampler:
     """In-process sampler on the policy itself (on-policy, no weight sync): a KV-cache decode loop whose logprobs,
     log-softmax(logits / temperature) top-p filtered, are exactly the distribution each token was drawn from."""
-    policy_version = None   # the weights being trained, always current
+
+    policy_version = None  # the weights being trained, always current
 
     def __init__(self, model, tokenizer):
         self.model, self.tok, self.eos_ids = model, tokenizer, eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 1.0,
-                 top_p: float = 1.0, stop: tuple[str, ...] = (), generator: torch.Generator | None = None):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: tuple[str, ...] = (),
+        generator: torch.Generator | None = None,
+    ):
         model, dev = self.model, next(self.model.parameters()).device
         was_training = model.training
         model.eval()
@@ -1815,10 +2185,12 @@ class LocalSampler:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = [Completion([], [], "length") for _ in range(B)]
         done = [m < 1 for m in max_tokens]
-        window = max((len(s) for s in stop), default=0) + 2   # tail of tokens that can hold a stop string
+        window = max((len(s) for s in stop), default=0) + 2  # tail of tokens that can hold a stop string
         cache, step_ids = None, ids
         for _ in range(max(max_tokens)):
-            res = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+            res = model(
+                input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
+            )
             cache, logits = res.past_key_values, res.logits[:, -1].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, -1)
@@ -1872,15 +2244,15 @@ class VLLMServerClient:
     def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop_event=None, say=print):
         self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
-        self.local = threading.local()   # one requests.Session per worker thread
-        self.pool = DaemonPool(cfg.max_concurrent_requests)   # daemons: an error never waits on requests still retrying
-        self.policy_version = 0   # with run_tag, the cache_salt: no KV of other weights or runs is reused
+        self.local = threading.local()  # one requests.Session per worker thread
+        self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
+        self.policy_version = 0  # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
         # one folder per run, so runs that share weight_sync_dir never clean up each other
         self.sync_dir = os.path.join(cfg.weight_sync_dir, os.path.basename(os.path.abspath(cfg.output_dir)))
-        self.nccl = None          # the NCCL group with the server's workers, made on the first nccl sync
-        self.adapters = []        # LoRA: (name, folder) of the adapters loaded on the server, oldest first
-        self.stop_event = stop_event or threading.Event()   # set on SIGTERM/Ctrl-C: requests stop retrying
+        self.nccl = None  # the NCCL group with the server's workers, made on the first nccl sync
+        self.adapters = []  # LoRA: (name, folder) of the adapters loaded on the server, oldest first
+        self.stop_event = stop_event or threading.Event()  # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
         self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
         info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
@@ -1889,8 +2261,9 @@ class VLLMServerClient:
         if self.max_model_len < cfg.max_seq_len:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
 
-    def request(self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, plain: bool = False,
-                **kw) -> dict:
+    def request(
+        self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, plain: bool = False, **kw
+    ) -> dict:
         end = time.monotonic() + (deadline or self.cfg.request_deadline)
         delay, attempt = 0.5, 0
         while True:
@@ -1898,26 +2271,38 @@ class VLLMServerClient:
             try:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
-                    self.local.session.trust_env = False   # no proxy or .netrc lookups per request: the server is ours
-                r = self.local.session.request(method, self.url + path, timeout=max(0.1, min(
-                    self.cfg.request_timeout, end - time.monotonic())), **kw)
+                    self.local.session.trust_env = False  # no proxy or .netrc lookups per request: the server is ours
+                r = self.local.session.request(
+                    method,
+                    self.url + path,
+                    timeout=max(0.1, min(self.cfg.request_timeout, end - time.monotonic())),
+                    **kw,
+                )
                 if r.status_code >= 500 and retry_5xx:
-                    raise requests.HTTPError(f"HTTP {r.status_code}: {r.text[:200]}")   # retried below
-                if r.status_code >= 400:   # our request is wrong (or the server's worker failed): retrying cannot help
+                    raise requests.HTTPError(f"HTTP {r.status_code}: {r.text[:200]}")  # retried below
+                if r.status_code >= 400:  # our request is wrong (or the server's worker failed): retrying cannot help
                     raise SamplerError(f"{method} {self.url}{path} was refused: HTTP {r.status_code}: {r.text[:500]}")
-                return {"text": r.text} if plain else r.json()   # plain: the LoRA routes answer in plain text
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                    requests.exceptions.JSONDecodeError, requests.HTTPError) as e:
+                return {"text": r.text} if plain else r.json()  # plain: the LoRA routes answer in plain text
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+                requests.exceptions.JSONDecodeError,
+                requests.HTTPError,
+            ) as e:
                 last = e
             if self.stop_event.is_set():
-                raise SamplerError(f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {self.url} (last: "
-                                   f"{type(last).__name__}: {str(last)[:200]}); saved checkpoints are unaffected")
+                raise SamplerError(
+                    f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {self.url} (last: "
+                    f"{type(last).__name__}: {str(last)[:200]}); saved checkpoints are unaffected"
+                )
             self.check_alive(last)
             if time.monotonic() + delay > end:
                 raise SamplerError(
                     f"the vLLM server at {self.url} gave no usable answer to {method} {path} within "
                     f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {type(last).__name__}: "
-                    f"{str(last)[:300]}). Is `vllm serve` running there and healthy (GET {self.url}/health)?")
+                    f"{str(last)[:300]}). Is `vllm serve` running there and healthy (GET {self.url}/health)?"
+                )
             self.stop_event.wait(delay)
             delay = min(2 * delay, 10.0)
 
@@ -1935,42 +2320,74 @@ class VLLMServerClient:
             if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
                 return
         tail = ""
-        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:   # run.sh's MTGRPO_VLLM_LOG
+        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:  # run.sh's MTGRPO_VLLM_LOG
             tail = f"\nLast lines of the server's log ({self.log}):\n" + "".join(f.readlines()[-20:])
-        raise SamplerError(f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
-                           f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
-                           f"{str(last)[:200]}). The server process is gone or its engine died.{tail}")
+        raise SamplerError(
+            f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
+            f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
+            f"{str(last)[:200]}). The server process is gone or its engine died.{tail}"
+        )
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float = 1.0, top_p: float = 1.0,
-                 stop: tuple[str, ...] = (), generator=None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: tuple[str, ...] = (),
+        generator=None,
+    ) -> list[Completion]:
         groups: dict[tuple, list[int]] = {}
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             groups.setdefault((tuple(p), m), []).append(i)
-        futures = {self.pool.submit(self.complete, prompt=list(p), n=len(idx), max_tokens=m, temperature=temperature,
-                                    top_p=top_p, stop=stop): idx for (p, m), idx in groups.items()}
+        futures = {
+            self.pool.submit(
+                self.complete, prompt=list(p), n=len(idx), max_tokens=m, temperature=temperature, top_p=top_p, stop=stop
+            ): idx
+            for (p, m), idx in groups.items()
+        }
         out = {i: c for fut, idx in futures.items() for i, c in zip(idx, fut.result())}
         return [out[i] for i in range(len(prompts))]
 
-    def complete(self, prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, stop) -> list[Completion]:
+    def complete(
+        self, prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, stop
+    ) -> list[Completion]:
         budget = min(max_tokens, self.max_model_len - len(prompt))
-        if budget < 1:   # no room left in the server's context: the episode ends truncated, no request sent
+        if budget < 1:  # no room left in the server's context: the episode ends truncated, no request sent
             return [Completion([], [], "length") for _ in range(n)]
         # Every sampling knob is explicit: vLLM fills omitted ones from the model's generation_config.json
         # (Qwen3: top_k 20), which would sample from a distribution the trainer does not score.
-        if temperature == 0 and n > 1:   # vLLM refuses n > 1 when greedy; greedy copies are identical anyway
+        if temperature == 0 and n > 1:  # vLLM refuses n > 1 when greedy; greedy copies are identical anyway
             return self.complete(prompt, 1, max_tokens, temperature, top_p, stop) * n
-        body = {"model": self.model, "prompt": prompt, "n": n, "max_tokens": budget, "temperature": temperature,
-                "top_p": top_p, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "stop": list(stop),
-                "stop_token_ids": self.stop_token_ids, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": False}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": budget,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "stop": list(stop),
+            "stop_token_ids": self.stop_token_ids,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         end = time.monotonic() + self.cfg.request_deadline
         while True:
-            version = self.policy_version   # a retry after a sync samples from the new weights (LoRA: adapter)
+            version = self.policy_version  # a retry after a sync samples from the new weights (LoRA: adapter)
             body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
-            replies = sorted(self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()),
-                                          json=body).get("choices") or [], key=lambda c: c.get("index", 0))
+            replies = sorted(
+                self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()), json=body).get(
+                    "choices"
+                )
+                or [],
+                key=lambda c: c.get("index", 0),
+            )
             if not any(c.get("finish_reason") in ("abort", "error") for c in replies) or time.monotonic() > end:
-                break   # aborted (the server was paused or failed mid-request): ask again
+                break  # aborted (the server was paused or failed mid-request): ask again
         if len(replies) != n:
             raise SamplerError(f"{self.url}/v1/completions returned {len(replies)} choices for n={n}")
         return [self.completion(c, version) for c in replies]
@@ -1978,8 +2395,14 @@ class VLLMServerClient:
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.
         Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
-        body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0, "cache_salt": f"{self.run_tag}-probe-v{self.policy_version}"}
+        body = {
+            "model": self.model_for(self.policy_version),
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "cache_salt": f"{self.run_tag}-probe-v{self.policy_version}",
+        }
         lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
         if not isinstance(lps, list) or len(lps) != len(ids):
             raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
@@ -1989,38 +2412,59 @@ class VLLMServerClient:
         ids, lps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
         where = f"{self.url}/v1/completions"
         if not isinstance(ids, list) or not isinstance(lps, list):
-            raise SamplerError(f"{where} returned no {'token_ids' if not isinstance(ids, list) else 'logprobs'}; "
-                               "mt-grpo needs vLLM >= 0.10.2, which honours return_token_ids and logprobs=0")
+            raise SamplerError(
+                f"{where} returned no {'token_ids' if not isinstance(ids, list) else 'logprobs'}; "
+                "mt-grpo needs vLLM >= 0.10.2, which honours return_token_ids and logprobs=0"
+            )
         if len(ids) != len(lps):
             raise SamplerError(f"{where} returned {len(ids)} token ids but {len(lps)} logprobs")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            raise SamplerError(f"{where} returned token ids outside the vocabulary [0, {self.vocab_size}): is it "
-                               "serving the model this run trains?")
+            raise SamplerError(
+                f"{where} returned token ids outside the vocabulary [0, {self.vocab_size}): is it "
+                "serving the model this run trains?"
+            )
         if c.get("finish_reason") not in ("stop", "length", "repetition"):
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
         return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
     def sync_weights(self, model, state_dict: dict | None, version: int):
         """Make the server sample from `state_dict` (rank 0), then name `version` in requests (every rank)."""
-        if state_dict is None:   # the ranks other than 0, once rank 0's call returned
+        if state_dict is None:  # the ranks other than 0, once rank 0's call returned
             with self.weight_update(version, pause=False):
                 return
         if self.cfg.weight_sync == "nccl":
             return self.sync_weights_nccl(state_dict, version)
-        path = os.path.join(self.sync_dir, f"step_{version}")   # a fresh folder every time (vLLM #32718)
+        path = os.path.join(self.sync_dir, f"step_{version}")  # a fresh folder every time (vLLM #32718)
         shutil.rmtree(path, ignore_errors=True)
         if self.cfg.lora_rank:
-            model.save_pretrained(path, state_dict=state_dict)   # peft writes the adapter alone
+            model.save_pretrained(path, state_dict=state_dict)  # peft writes the adapter alone
             return self.load_adapter(path, version)
-        model.save_pretrained(path, safe_serialization=True, state_dict={   # makes sync_dir too
-            k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()})
+        model.save_pretrained(
+            path,
+            safe_serialization=True,
+            state_dict={  # makes sync_dir too
+                k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()
+            },
+        )
         with self.weight_update(version):
             try:
-                self.request("POST", "/collective_rpc", retry_5xx=False, json={
-                    "method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.cfg.request_timeout})
-            except SamplerError as e:   # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
-                raise SamplerError(f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
-                                   "the server (its model is left half-loaded), then resume_from_checkpoint=auto") from None
+                self.request(
+                    "POST",
+                    "/collective_rpc",
+                    retry_5xx=False,
+                    json={
+                        "method": "reload_weights",
+                        "kwargs": {"weights_path": path},
+                        "timeout": self.cfg.request_timeout,
+                    },
+                )
+            except (
+                SamplerError
+            ) as e:  # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
+                raise SamplerError(
+                    f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
+                    "the server (its model is left half-loaded), then resume_from_checkpoint=auto"
+                ) from None
         self.cleanup(keep_folders=[os.path.basename(path)])
 
     def model_for(self, version: int) -> str:
@@ -2032,12 +2476,19 @@ class VLLMServerClient:
         on; a request already sent keeps its own. The last max_staleness + 2 adapters stay loaded, older ones go."""
         name = self.model_for(version)
         try:
-            with self.weight_update(version, pause=False):   # beside the old adapters: nothing to pause
-                self.request("POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True,   # in place: a retry, or a
-                             json={"lora_name": name, "lora_path": path, "load_inplace": True})   # resumed run, is harmless
+            with self.weight_update(version, pause=False):  # beside the old adapters: nothing to pause
+                self.request(
+                    "POST",
+                    "/v1/load_lora_adapter",
+                    retry_5xx=False,
+                    plain=True,  # in place: a retry, or a
+                    json={"lora_name": name, "lora_path": path, "load_inplace": True},
+                )  # resumed run, is harmless
         except SamplerError as e:
-            raise SamplerError(f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
-                               "rank >= lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (run.sh adds them)") from None
+            raise SamplerError(
+                f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
+                "rank >= lora_rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (run.sh adds them)"
+            ) from None
         self.adapters.append((name, path))
         while len(self.adapters) > self.cfg.max_staleness + 2:
             self.request("POST", "/v1/unload_lora_adapter", plain=True, json={"lora_name": self.adapters.pop(0)[0]})
@@ -2050,9 +2501,13 @@ class VLLMServerClient:
         On-policy, requests in flight are aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep)
         and go on under the new weights after the resume: partial rollouts, their tokens' logprobs those of the weights
         that sampled them. The new cache_salt, set before the resume, keeps new requests off the old prefix cache."""
-        partial = self.cfg.max_staleness > 0   # partial rollouts: requests in flight are frozen, not aborted
+        partial = self.cfg.max_staleness > 0  # partial rollouts: requests in flight are frozen, not aborted
         if pause:
-            self.request("POST", "/pause", params={"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()})
+            self.request(
+                "POST",
+                "/pause",
+                params={"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()},
+            )
         try:
             yield
             if pause and not partial:
@@ -2068,19 +2523,30 @@ class VLLMServerClient:
         '{"backend":"nccl"}' and vllm on the trainer; MTGRPO_NCCL_ADDR is this host as the server sees it."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         tensors = {k: v.to(dev, torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
         if self.nccl is None:
-            info = {"master_address": os.environ.get("MTGRPO_NCCL_ADDR", "127.0.0.1"), "master_port": free_port(),
-                    "world_size": 1 + self.request("GET", "/get_world_size")["world_size"]}
-            joined = self.pool.submit(self.request, method="POST", path="/init_weight_transfer_engine",
-                                      json={"init_info": {**info, "rank_offset": 1, "packed": True}})
-            self.nccl = trainer_init(info)   # blocks until the server's workers join, as /init_... does
+            info = {
+                "master_address": os.environ.get("MTGRPO_NCCL_ADDR", "127.0.0.1"),
+                "master_port": free_port(),
+                "world_size": 1 + self.request("GET", "/get_world_size")["world_size"],
+            }
+            joined = self.pool.submit(
+                self.request,
+                method="POST",
+                path="/init_weight_transfer_engine",
+                json={"init_info": {**info, "rank_offset": 1, "packed": True}},
+            )
+            self.nccl = trainer_init(info)  # blocks until the server's workers join, as /init_... does
             joined.result()
         with self.weight_update(version):
             self.request("POST", "/start_weight_update")
-            meta = {"names": list(tensors), "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                    "shapes": [list(t.shape) for t in tensors.values()]}
+            meta = {
+                "names": list(tensors),
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                "shapes": [list(t.shape) for t in tensors.values()],
+            }
             received = self.pool.submit(self.request, method="POST", path="/update_weights", json={"update_info": meta})
             packed_nccl_broadcast_producer(iter(tensors.items()), self.nccl, 0, lambda kv: kv[1])
             received.result()
@@ -2092,10 +2558,15 @@ class VLLMServerClient:
             shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
         while not keep_folders and self.adapters:
             with contextlib.suppress(SamplerError):
-                self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True,
-                             json={"lora_name": self.adapters.pop()[0]})
+                self.request(
+                    "POST",
+                    "/v1/unload_lora_adapter",
+                    deadline=30.0,
+                    plain=True,
+                    json={"lora_name": self.adapters.pop()[0]},
+                )
 
-    close = cleanup   # at the end of a run: no folder kept, this run's adapters unloaded
+    close = cleanup  # at the end of a run: no folder kept, this run's adapters unloaded
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -2105,21 +2576,27 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 # === D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts ===
 
+
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; alone, FSDP2 still gets the 1-rank group it needs."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ and not cfg.fsdp:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if cfg.prompts_per_step % world:
-        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {world} training ranks "
-                          "(each rank gets whole GRPO groups)")
+        raise ConfigError(
+            f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {world} training ranks "
+            "(each rank gets whole GRPO groups)"
+        )
     if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         import datetime
+
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
     return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
 
@@ -2133,6 +2610,7 @@ def exit_now(code: int):
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -2160,8 +2638,8 @@ def gather_to_rank0(obj) -> list:
 def gradient_sync(model, sync: bool):
     """Reduce gradients over ranks only when `sync` (after the last micro-batch): FSDP2 and DDP each have a switch."""
     if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)   # FSDP2
-    with (model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()):   # DDP
+        model.set_requires_gradient_sync(sync)  # FSDP2
+    with model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext():  # DDP
         yield
 
 
@@ -2169,12 +2647,14 @@ def wrap_model(model, cfg: Config, device: torch.device):
     """DDP replicates the model on every rank; FSDP2 shards each decoder layer and the rest."""
     if cfg.fsdp:
         from torch.distributed.fsdp import fully_shard
+
         for m in model.modules():
             if type(m).__name__ in (model._no_split_modules or []):
                 fully_shard(m)
         return fully_shard(model)
     if dist.is_initialized():
         from torch.nn.parallel import DistributedDataParallel
+
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
@@ -2184,19 +2664,25 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     it is a collective; replicated (DDP) ranks other than 0 get (None, None) without copying anything.
     With LoRA only the adapters' tensors: the frozen base is never copied, synced or saved."""
     frozen = any(not p.requires_grad for p in model.parameters())
-    trains = {n for n, p in model.named_parameters() if p.requires_grad}   # a tied head is the (frozen) embedding
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}  # a tied head is the (frozen) embedding
     if not fsdp:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None, None
-        return ({k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains},
-                optimizer.state_dict() if optimizer else None)
+        return (
+            {k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains},
+            optimizer.state_dict() if optimizer else None,
+        )
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
-    return ({k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
-            get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None)
+    return (
+        {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
+        get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None,
+    )
 
 
 # === E. Checkpoints and resume ===========================================================
+
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
     """Written by rank 0 to a temp folder, then renamed: a crash mid-save leaves the previous checkpoint as it was."""
@@ -2208,13 +2694,23 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                "config": dataclasses.asdict(cfg),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
-               os.path.join(tmp, "trainer_state.pt"))
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optim_sd,
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(cfg),
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+        },
+        os.path.join(tmp, "trainer_state.pt"),
+    )
     sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:   # what resume verifies: every file, at its size
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:  # what resume verifies: every file, at its size
         json.dump(sizes, f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -2230,20 +2726,24 @@ def find_checkpoint(cfg: Config, say=print) -> str | None:
     found = [cfg.resume_from_checkpoint]
     if auto:
         found = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
-        found = [os.path.join(cfg.output_dir, d) for d in sorted(found, key=lambda d: -int(d[11:]))]   # newest first
+        found = [os.path.join(cfg.output_dir, d) for d in sorted(found, key=lambda d: -int(d[11:]))]  # newest first
     skipped = []
     for path in found:
         problem = checkpoint_problem(path)
         if not problem:
             return checked_mode(cfg, path)
         if not auto:
-            raise ConfigError(f"resume_from_checkpoint: no checkpoint at '{path}' to resume: {problem}. Choose another "
-                              "checkpoint, or resume_from_checkpoint=auto (the newest one in output_dir that verifies)")
+            raise ConfigError(
+                f"resume_from_checkpoint: no checkpoint at '{path}' to resume: {problem}. Choose another "
+                "checkpoint, or resume_from_checkpoint=auto (the newest one in output_dir that verifies)"
+            )
         say(f"[mt-grpo] skipping {path}: {problem}")
         skipped.append(f"{os.path.basename(path)}: {problem}")
     if skipped:
-        raise ConfigError(f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
-                          f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''")
+        raise ConfigError(
+            f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
+            f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''"
+        )
     return None
 
 
@@ -2251,6 +2751,7 @@ def checkpoint_problem(path: str) -> str:
     """What makes a checkpoint unusable ('' if nothing): a file missing or of another size than its manifest lists
     (checkpoints saved before the manifest have none), or weights or a trainer state that do not open."""
     from safetensors import safe_open
+
     files = os.listdir(path) if os.path.isdir(path) else []
     if "trainer_state.pt" not in files:
         return "no trainer_state.pt (expected a checkpoint-N folder)"
@@ -2266,7 +2767,7 @@ def checkpoint_problem(path: str) -> str:
         for name in sorted(f for f in files if f.endswith(".safetensors")):
             safe_open(os.path.join(path, name), "pt")
         name = "trainer_state.pt"
-        torch.load(os.path.join(path, name), mmap=True, weights_only=False)   # mmap: the tensors are not read
+        torch.load(os.path.join(path, name), mmap=True, weights_only=False)  # mmap: the tensors are not read
     except Exception as e:
         return f"{name} does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return ""
@@ -2281,8 +2782,10 @@ def checked_mode(cfg: Config, path: str) -> str:
         saved = {"lora_rank": a["r"], "lora_alpha": a["lora_alpha"], "lora_dropout": a["lora_dropout"]}
     if any(getattr(cfg, k) != v for k, v in saved.items()):
         how = "with LoRA" if saved["lora_rank"] else "by full fine-tuning"
-        raise ConfigError(f"resume_from_checkpoint: {path} was saved {how}: set "
-                          f"{', '.join(f'{k}={v}' for k, v in saved.items())} to resume it")
+        raise ConfigError(
+            f"resume_from_checkpoint: {path} was saved {how}: set "
+            f"{', '.join(f'{k}={v}' for k, v in saved.items())} to resume it"
+        )
     return path
 
 
@@ -2292,6 +2795,7 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     if cfg.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(state["optimizer"])
@@ -2299,16 +2803,31 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
     # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
     g = optimizer.param_groups[0]
-    old = {"learning_rate": g["initial_lr"], "weight_decay": g["weight_decay"], "adam_betas": list(g["betas"]),
-           **state.get("config", {})}
-    keys = ("learning_rate", "lr_scheduler", "warmup_steps", "max_steps", "num_iterations", "weight_decay",
-            "adam_betas")
+    old = {
+        "learning_rate": g["initial_lr"],
+        "weight_decay": g["weight_decay"],
+        "adam_betas": list(g["betas"]),
+        **state.get("config", {}),
+    }
+    keys = (
+        "learning_rate",
+        "lr_scheduler",
+        "warmup_steps",
+        "max_steps",
+        "num_iterations",
+        "weight_decay",
+        "adam_betas",
+    )
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        g.update(initial_lr=cfg.learning_rate, lr=cfg.learning_rate * f(scheduler.last_epoch),
-                 weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
-    if world == 1:   # rank 0's streams; with several ranks each keeps its own seed
+        g.update(
+            initial_lr=cfg.learning_rate,
+            lr=cfg.learning_rate * f(scheduler.last_epoch),
+            weight_decay=cfg.weight_decay,
+            betas=tuple(cfg.adam_betas),
+        )
+    if world == 1:  # rank 0's streams; with several ranks each keeps its own seed
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -2316,14 +2835,16 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if is_main:
         if changed:
-            print(f"[mt-grpo] the recipe changes {', '.join(changed)} from {ckpt}'s run: applied from step "
-                  f"{state['step'] + 1}")
+            print(
+                f"[mt-grpo] the recipe changes {', '.join(changed)} from {ckpt}'s run: applied from step "
+                f"{state['step'] + 1}"
+            )
         for name in ("metrics.jsonl", "episodes.jsonl"):
             path = os.path.join(cfg.output_dir, name)
             if os.path.isfile(path):
                 with open(path) as f:
                     lines = f.readlines()
-                if lines and not lines[-1].endswith("\n"):   # a crash mid-write
+                if lines and not lines[-1].endswith("\n"):  # a crash mid-write
                     print(f"[mt-grpo] {name} ends in a torn line (a crash while it was written): dropped it")
                     lines.pop()
                 with open(path, "w") as f:
@@ -2333,11 +2854,15 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
 
 # === F. Loading recipes, plug-ins and data; small utilities =========================
 
+
 class RecipeLoader(yaml.SafeLoader):
     """YAML where only true/false are booleans, so `tokenization_check: off` stays the string 'off', and where a key
     written twice is an error: YAML would silently keep the last one (a recipe's appended `learning_rate:`)."""
-    yaml_implicit_resolvers = {k: [(t, re.compile(r"^(?:[tT]rue|TRUE|[fF]alse|FALSE)$") if t.endswith(":bool") else r)
-                                   for t, r in v] for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    yaml_implicit_resolvers = {
+        k: [(t, re.compile(r"^(?:[tT]rue|TRUE|[fF]alse|FALSE)$") if t.endswith(":bool") else r) for t, r in v]
+        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -2345,7 +2870,9 @@ class RecipeLoader(yaml.SafeLoader):
             key, mark = self.construct_object(key_node, deep=deep), key_node.start_mark
             if key in seen:
                 where = f" of {mark.name}" if mark.name != "<unicode string>" else ""
-                raise ConfigError(f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {mark.line + 1}{where}; keep one")
+                raise ConfigError(
+                    f"recipe key '{key}' is set twice, on lines {seen[key] + 1} and {mark.line + 1}{where}; keep one"
+                )
             seen[key] = mark.line
         return super().construct_mapping(node, deep)
 
@@ -2353,8 +2880,11 @@ class RecipeLoader(yaml.SafeLoader):
 def field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it (read from this file's source)."""
     body = ast.parse(inspect.getsource(Config)).body[0].body
-    return {node.target.id: nxt.value.value for node, nxt in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+    return {
+        node.target.id: nxt.value.value
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
 
 
 def in_range(value: float, interval: str) -> bool:
@@ -2364,14 +2894,20 @@ def in_range(value: float, interval: str) -> bool:
         return True
     if interval[0] in "[(":
         lo, hi = (float(x) for x in interval[1:-1].split(","))
-        return (lo <= value if interval[0] == "[" else lo < value) and (value <= hi if interval[-1] == "]" else value < hi)
+        return (lo <= value if interval[0] == "[" else lo < value) and (
+            value <= hi if interval[-1] == "]" else value < hi
+        )
     op, bound = interval.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 
 
 def field_ranges() -> dict[str, str]:
     """Field name -> its valid range, from `Annotated[type, "range"]` in Config."""
-    return {k: h.__metadata__[0] for k, h in typing.get_type_hints(Config, include_extras=True).items() if hasattr(h, "__metadata__")}
+    return {
+        k: h.__metadata__[0]
+        for k, h in typing.get_type_hints(Config, include_extras=True).items()
+        if hasattr(h, "__metadata__")
+    }
 
 
 def _coerce(name: str, value, typ):
@@ -2396,7 +2932,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
-        with open(path, "rb") as f:   # bytes: YAML's reader names the file and position of any byte that is not UTF-8
+        with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
@@ -2420,7 +2956,10 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             kind = ranges[k] if ranges[k][0] in "<>f" else "in " + ranges[k]
             raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
-    for funcs, weights in (("turn_reward_funcs", "turn_reward_weights"), ("outcome_reward_funcs", "outcome_reward_weights")):
+    for funcs, weights in (
+        ("turn_reward_funcs", "turn_reward_weights"),
+        ("outcome_reward_funcs", "outcome_reward_weights"),
+    ):
         w = getattr(cfg, weights)
         if w and len(w) != len(getattr(cfg, funcs)):
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
@@ -2438,7 +2977,7 @@ def read_yaml(stream, where: str):
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or getattr(e, "reason", e)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else f", position {getattr(e, 'position', 0)}"
-        if getattr(e, "context_mark", None):   # e.g. an unclosed '[': where it opened
+        if getattr(e, "context_mark", None):  # e.g. an unclosed '[': where it opened
             problem += f" ({e.context} from line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
         fix = "save it as UTF-8 text" if isinstance(e, yaml.reader.ReaderError) else "quote values with ': ' or ' #'"
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
@@ -2449,7 +2988,9 @@ def load_object(spec: str, what: str = "object"):
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    full = next((p for p in (path, os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) if os.path.isfile(p)), None)
+    full = next(
+        (p for p in (path, os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) if os.path.isfile(p)), None
+    )
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
     mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
@@ -2460,7 +3001,7 @@ def load_object(spec: str, what: str = "object"):
         try:
             spec_.loader.exec_module(module)
         except (Exception, SystemExit) as e:
-            del sys.modules[mod_name]   # the next load runs the file again, not a half-made module
+            del sys.modules[mod_name]  # the next load runs the file again, not a half-made module
             raise plugin_error(e, f"{what} file '{path}' failed on import") from None
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
@@ -2469,10 +3010,13 @@ def load_object(spec: str, what: str = "object"):
 
 def plugin_error(e: BaseException, what: str) -> ConfigError:
     """A plug-in's exception as one line, at its deepest frame in the user's code (not Python's, a package's, ours)."""
-    python = (os.path.dirname(os.__file__), "<")   # the standard library, frozen importlib
-    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(python) and "-packages" not in f.filename and f.filename != __file__]
-    at = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""   # a SyntaxError names its own file and line
+    python = (os.path.dirname(os.__file__), "<")  # the standard library, frozen importlib
+    frames = [
+        (f.filename, f.lineno)
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(python) and "-packages" not in f.filename and f.filename != __file__
+    ]
+    at = f" ({frames[-1][0]}, line {frames[-1][1]})" if frames else ""  # a SyntaxError names its own file and line
     fix = "install the missing package" if isinstance(e, ImportError) else "fix it there"
     return ConfigError(f"{what}: {type(e).__name__}: {' '.join(str(e).split()):.300}{at}; {fix}")
 
@@ -2480,22 +3024,25 @@ def plugin_error(e: BaseException, what: str) -> ConfigError:
 def load_rows(spec: str) -> list[dict]:
     """A dataset's rows (a .jsonl file or file.py:function), checked: JSON objects with one set of columns, each
     with a prompt the chat template can render (a row that fails would otherwise crash the step that draws it)."""
-    lines = []   # for a .jsonl file, each row's line in it
+    lines = []  # for a .jsonl file, each row's line in it
     if spec.endswith(".jsonl"):
         if not os.path.isfile(spec):
             raise ConfigError(f"dataset file not found: {spec}")
-        with open(spec, "rb") as f:   # bytes, which json.loads decodes: a byte that is not UTF-8 is named in its line
+        with open(spec, "rb") as f:  # bytes, which json.loads decodes: a byte that is not UTF-8 is named in its line
             numbered = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
         lines, rows = [n for n, _ in numbered], []
         for n, line in numbered:
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as e:   # its own line number counts within the line
-                raise ConfigError(f"dataset {spec}, line {n}, column {e.colno}: not JSON ({e.msg}); "
-                                  "each line must be one JSON object") from None
+            except json.JSONDecodeError as e:  # its own line number counts within the line
+                raise ConfigError(
+                    f"dataset {spec}, line {n}, column {e.colno}: not JSON ({e.msg}); each line must be one JSON object"
+                ) from None
             except UnicodeDecodeError as e:
-                raise ConfigError(f"dataset {spec}, line {n}: byte {e.start} of the line is not UTF-8 ({e.reason}); "
-                                  "save the file as UTF-8") from None
+                raise ConfigError(
+                    f"dataset {spec}, line {n}: byte {e.start} of the line is not UTF-8 ({e.reason}); "
+                    "save the file as UTF-8"
+                ) from None
     else:
         fn = load_object(spec, "dataset function")
         try:
@@ -2504,28 +3051,41 @@ def load_rows(spec: str) -> list[dict]:
             raise plugin_error(e, f"dataset function '{spec}' raised") from None
     if not rows:
         raise ConfigError(f"dataset '{spec}' has no rows")
-    cols = set(rows[0]) if isinstance(rows[0], dict) else set()   # reward functions get every column for every episode
+    cols = set(rows[0]) if isinstance(rows[0], dict) else set()  # reward functions get every column for every episode
     for i, r in enumerate(rows):
         at = f"dataset '{spec}'" + (f", line {lines[i]}" if lines else "") + f": row {i}"
         if not isinstance(r, dict) or "prompt" not in r:
             raise ConfigError(f"{at} is {r!r:.80}, not an object with a 'prompt' column")
         p = r["prompt"]
-        bad = [j for j, m in enumerate(p) if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                  and isinstance(m.get("content"), str))] if isinstance(p, list) else []
+        bad = (
+            [
+                j
+                for j, m in enumerate(p)
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))
+            ]
+            if isinstance(p, list)
+            else []
+        )
         if not (p.strip() if isinstance(p, str) else isinstance(p, list) and p and not bad):
             what = f"prompt message {bad[0]}: {p[bad[0]]!r:.80}" if bad else f"prompt {p!r:.80}"
-            raise ConfigError(f"{at} has {what}; a prompt must be a non-empty string or a non-empty list of "
-                              '{"role": str, "content": str} messages')
-        if set(r) != cols:   # a missing column must not reach a reward function as None
+            raise ConfigError(
+                f"{at} has {what}; a prompt must be a non-empty string or a non-empty list of "
+                '{"role": str, "content": str} messages'
+            )
+        if set(r) != cols:  # a missing column must not reach a reward function as None
             missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
-            raise ConfigError(f"{at} " + (f"lacks column(s) {', '.join(missing)}" if missing else
-                              f"has column(s) {', '.join(extra)}") + " that row 0 does not; every row needs the same columns")
+            raise ConfigError(
+                f"{at} "
+                + (f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}")
+                + " that row 0 does not; every row needs the same columns"
+            )
     return rows
 
 
 def autocast(cfg: Config, device: torch.device):
-    use = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda"
-                                             and torch.cuda.is_bf16_supported())
+    use = cfg.mixed_precision == "bf16" or (
+        cfg.mixed_precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
@@ -2544,7 +3104,7 @@ class DaemonPool:
     def work(self):
         while True:
             fn, kwargs, fut = self.jobs.get()
-            fut.started = time.monotonic()   # a tool call is timed from here, not from when it was queued
+            fut.started = time.monotonic()  # a tool call is timed from here, not from when it was queued
             try:
                 fut.set_result(fn(**kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -2568,8 +3128,9 @@ def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: t
             if left <= 0.05:
                 raise
             if stop_event is not None and stop_event.is_set():
-                raise Stopped("SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are "
-                              "unaffected") from None
+                raise Stopped(
+                    "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
+                ) from None
 
 
 @functools.cache

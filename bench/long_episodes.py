@@ -13,6 +13,7 @@ that trims the tail of each assistant turn.
    With REALIGN the episode stays one sample; with realign_max_tokens=0 every boundary forks.
 Seconds vary by machine; the table's ratios are what to compare.
 """
+
 import argparse
 import json
 import os
@@ -45,15 +46,23 @@ def tool_episode(tok, turns: int, bridge: bool):
             query: what to search for
         """
         return result
-    env = M.MultiTurnToolEnv(tok, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=10**6,
-                                                     tokenization_check="strict"))
-    env.bridge_checks = 0 if bridge else -1   # -1: the bridge is off, every prompt is a full render
+
+    env = M.MultiTurnToolEnv(
+        tok,
+        [search],
+        M.Config(system_prompt="", tool_format="native", max_env_steps=10**6, tokenization_check="strict"),
+    )
+    env.bridge_checks = 0 if bridge else -1  # -1: the bridge is off, every prompt is a full render
     ep, times, prompts = env.new_episode({"prompt": "Find the answer."}), [], []
     for t in range(turns):
         t0 = time.perf_counter()
         prompts.append(env.next_prompt(ep))
         times.append(time.perf_counter() - t0)
-        text = f"<think>\nStep {t}.\n</think>\n\n<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": f"q{t}"}}) + "\n</tool_call>"
+        text = (
+            f"<think>\nStep {t}.\n</think>\n\n<tool_call>\n"
+            + json.dumps({"name": "search", "arguments": {"query": f"q{t}"}})
+            + "\n</tool_call>"
+        )
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         env.run_tools([(ep, c) for c in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
     assert env.check_tokenization(ep) == 0, "the episode-end check agrees with every prompt"
@@ -61,9 +70,14 @@ def tool_episode(tok, turns: int, bridge: bool):
 
 
 def realign_episode(tok, turns: int, realign: int):
-    env = M.MultiTurnToolEnv(tok, [CT._sim_search], M.Config(system_prompt="", tool_format="native",
-                                                             realign_max_tokens=realign, tokenization_check="strict"))
-    script = [x for t in range(turns) for x in (("assistant", f"Answer {t} is {t * 7}.\n\n"), ("user", f"And {t + 1}?"))]
+    env = M.MultiTurnToolEnv(
+        tok,
+        [CT._sim_search],
+        M.Config(system_prompt="", tool_format="native", realign_max_tokens=realign, tokenization_check="strict"),
+    )
+    script = [
+        x for t in range(turns) for x in (("assistant", f"Answer {t} is {t * 7}.\n\n"), ("user", f"And {t + 1}?"))
+    ]
     ep, seen = CT.simulate_episode(env, script[:-1], tok.eos_token_id)
     assert CT.check_invariants(ep, seen, env) == [], "the invariants hold either way"
     trained = sum(sum(s.loss_mask) for s in ep.samples)
@@ -75,6 +89,7 @@ def main():
     ap.add_argument("--turns", type=int, nargs="+", default=[8, 32, 128])
     args = ap.parse_args()
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read()
     print("## next_prompt per turn (Qwen3 template, native tools, ~500-token results): full render vs the bridge\n")
@@ -84,8 +99,10 @@ def main():
         runs = {name: tool_episode(tok, T, name == "bridge") for name in ("full render", "bridge")}
         assert runs["bridge"][3] == runs["full render"][3], "the bridge gives the sampler exactly the same prompts"
         for name, (times, tokens, samples, _) in runs.items():
-            print(f"| {T} | {tokens / 1000:.1f}k | {samples} | {name} | {times[0] * 1e3:.1f} ms | {times[-1] * 1e3:.1f} ms | "
-                  f"{sum(times[-8:]) / len(times[-8:]) * 1e3:.2f} ms | {sum(times):.3f} s |")
+            print(
+                f"| {T} | {tokens / 1000:.1f}k | {samples} | {name} | {times[0] * 1e3:.1f} ms | {times[-1] * 1e3:.1f} ms | "
+                f"{sum(times[-8:]) / len(times[-8:]) * 1e3:.2f} ms | {sum(times):.3f} s |"
+            )
     llama = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     llama.chat_template = open(os.path.join(FIX, "llama3_1_chat_template.jinja")).read()
     print("\n## REALIGN on a template that trims (Llama 3.1's, answers that end with a blank line)\n")

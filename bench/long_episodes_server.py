@@ -12,6 +12,7 @@ server, every boundary goes through the env's extend-or-fork (and its bridge), a
 back. Printed: the build, the step's times, and per episode its turns, tool calls, samples, tokens, forks,
 realigns and the episode-end tokenization check; the sampler/trainer logprob agreement; the gradient norm.
 """
+
 import argparse
 import json
 import os
@@ -40,6 +41,7 @@ def build_looping_model(path: str, calls: int, max_positions: int, steps: int):
     phase 2: `steps` more steps, one at a time, on demonstrations of `calls` lookups that fill the context."""
     import torch
     from transformers import AutoModelForCausalLM
+
     t0 = time.time()
     rng = random.Random(0)
     short = [toy_kv.demonstration(r, "", rng, p_tool=1.0) for r in toy_kv.make_dataset(2048, seed=1)]
@@ -50,15 +52,20 @@ def build_looping_model(path: str, calls: int, max_positions: int, steps: int):
     model = AutoModelForCausalLM.from_pretrained(path)
     demos = [toy_kv.assistant_mask(tok, looping_demonstration(r, calls)) for r in toy_kv.make_eval_dataset()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    for step in range(steps):
+    for _ in range(steps):
         ids, mask = rng.choice(demos)
-        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])).loss
+        loss = model(
+            input_ids=torch.tensor([ids]), labels=torch.tensor([[t if m else -100 for t, m in zip(ids, mask)]])
+        ).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.save_pretrained(path)
-    print(f"[bench] looping model: 200 short warm-start steps, then {steps} steps on {calls}-call demonstrations of "
-          f"{len(demos[0][0])} tokens (final loss {loss.item():.4f}), {time.time() - t0:.0f} s", flush=True)
+    print(
+        f"[bench] looping model: 200 short warm-start steps, then {steps} steps on {calls}-call demonstrations of "
+        f"{len(demos[0][0])} tokens (final loss {loss.item():.4f}), {time.time() - t0:.0f} s",
+        flush=True,
+    )
 
 
 def main():
@@ -75,27 +82,64 @@ def main():
     if not os.path.isfile(os.path.join(model, "build_report.json")):
         build_looping_model(model, a.turns + 8, a.max_seq_len, a.warm_steps)
     out = os.path.join(a.out, "run")
-    h, wall, start = run("server", "hf_recipes/toy/toy-kv--mt-grpo.yaml", a.steps, out, [
-        f"model_name_or_path={model}", "model_builder=", f"max_env_steps={a.turns}", f"max_seq_len={a.max_seq_len}",
-        "prompts_per_step=2", "num_generations=4", "micro_batch_size=1", "eval_steps=0", "log_episodes_steps=1", "temperature=0.5",
-        *a.overrides])
-    print(f"\n{a.steps} step(s) of {a.turns}-turn episodes through the vLLM server (start {start} s, wall {wall:.0f} s)\n")
+    h, wall, start = run(
+        "server",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        a.steps,
+        out,
+        [
+            f"model_name_or_path={model}",
+            "model_builder=",
+            f"max_env_steps={a.turns}",
+            f"max_seq_len={a.max_seq_len}",
+            "prompts_per_step=2",
+            "num_generations=4",
+            "micro_batch_size=1",
+            "eval_steps=0",
+            "log_episodes_steps=1",
+            "temperature=0.5",
+            *a.overrides,
+        ],
+    )
+    print(
+        f"\n{a.steps} step(s) of {a.turns}-turn episodes through the vLLM server (start {start} s, wall {wall:.0f} s)\n"
+    )
     for m in h:
-        print(f"step {m['step']}: " + ", ".join(f"{k} {m[k]:.4g}" for k in (
-            "time/rollout", "time/train", "time/weight_sync", "time/step", "rollout/sampler_logprob_diff",
-            "loss/grad_norm", "reward/outcome", "reward/turn") if k in m))
-    print("\n| step | episode | end | turns | tool calls | samples | tokens | trained tokens | forks | realigns "
-          "| tokenization mismatches |")
+        print(
+            f"step {m['step']}: "
+            + ", ".join(
+                f"{k} {m[k]:.4g}"
+                for k in (
+                    "time/rollout",
+                    "time/train",
+                    "time/weight_sync",
+                    "time/step",
+                    "rollout/sampler_logprob_diff",
+                    "loss/grad_norm",
+                    "reward/outcome",
+                    "reward/turn",
+                )
+                if k in m
+            )
+        )
+    print(
+        "\n| step | episode | end | turns | tool calls | samples | tokens | trained tokens | forks | realigns "
+        "| tokenization mismatches |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     eps = [json.loads(x) for x in open(os.path.join(out, "episodes.jsonl"))]
     tokens = [sum(len(s["input_ids"]) for s in e["samples"]) for e in eps]
     for e, n in zip(eps, tokens):
         trained = sum(sum(s["loss_mask"]) for s in e["samples"])
         turns = sum(m["role"] == "assistant" for m in e["messages"])
-        print(f"| {e['step']} | {e['episode']} | {e['end_reason']} | {turns} | {e['tool_calls']} | {len(e['samples'])} | "
-              f"{n} | {trained} | {e['forks']} | {e['realigns']} | {e['tokenization_mismatches']} |")
-    print(f"\nmean tokens per episode {np.mean(tokens):.0f}; "
-          f"episodes of one sample: {sum(len(e['samples']) == 1 for e in eps)}/{len(eps)}")
+        print(
+            f"| {e['step']} | {e['episode']} | {e['end_reason']} | {turns} | {e['tool_calls']} | {len(e['samples'])} | "
+            f"{n} | {trained} | {e['forks']} | {e['realigns']} | {e['tokenization_mismatches']} |"
+        )
+    print(
+        f"\nmean tokens per episode {np.mean(tokens):.0f}; "
+        f"episodes of one sample: {sum(len(e['samples']) == 1 for e in eps)}/{len(eps)}"
+    )
 
 
 if __name__ == "__main__":

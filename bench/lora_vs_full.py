@@ -9,6 +9,7 @@ Prints, per run: the mean weight-sync time and the bytes each sync writes (the f
 adapter in float32, from the last checkpoint's tensors), the step times, and the learning curve (outcome reward:
 step 1, first and last 10-step means, the first step whose trailing 10-step mean reaches 0.8).
 """
+
 import argparse
 import os
 import sys
@@ -36,7 +37,7 @@ def main():
     ap.add_argument("--lora", nargs="+", default=["lora_rank=8", "learning_rate=5e-3"])
     a = ap.parse_args()
     rows = {}
-    os.makedirs(a.out, exist_ok=True)   # run.sh writes the server's log beside each run's folder
+    os.makedirs(a.out, exist_ok=True)  # run.sh writes the server's log beside each run's folder
     for name, extra in (("full", []), ("LoRA " + " ".join(a.lora), a.lora)):
         out = os.path.join(a.out, name.split()[0].lower())
         h, wall, start = run("server", a.recipe, a.steps, out, [*extra, f"save_steps={a.steps}", "eval_steps=0"])
@@ -46,8 +47,10 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name, (h, wall, nbytes) in rows.items():
         t = {k: np.mean([m[f"time/{k}"] for m in h]) for k in ("weight_sync", "rollout", "train", "step")}
-        print(f"| {name} | {t['weight_sync']:.3f} | {nbytes / 1e6:.2f} MB | {t['rollout']:.2f} | {t['train']:.2f} | "
-              f"{t['step']:.2f} | {wall:.0f} |")
+        print(
+            f"| {name} | {t['weight_sync']:.3f} | {nbytes / 1e6:.2f} MB | {t['rollout']:.2f} | {t['train']:.2f} | "
+            f"{t['step']:.2f} | {wall:.0f} |"
+        )
     print("\n| run | outcome step 1 | first 10 | last 10 | trailing-10 >= 0.8 at step | probe_logprob_diff (max) |")
     print("|---|---|---|---|---|---|")
     for name, (h, _, _) in rows.items():

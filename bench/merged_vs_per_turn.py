@@ -8,6 +8,7 @@ processes (sum of its sample lengths); "per turn" is what training one sample pe
 (each turn's whole prompt plus its completion). Extension makes the first O(T), the second is O(T^2).
 Token counts, not seconds: the table does not depend on the machine.
 """
+
 import argparse
 import os
 import sys
@@ -26,33 +27,54 @@ def main():
     ap.add_argument("--chat-template", default=os.path.join(FIX, "qwen3_chat_template.jinja"))
     args = ap.parse_args()
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     tok.chat_template = open(args.chat_template).read()
     print(f"tokenizer {args.tokenizer}\n")
     print("| episode | turns T | retention | samples | merged tokens | per-turn tokens | per-turn / merged |")
     print("|---|---|---|---|---|---|---|")
     for scenario in ("tool calls", "user turns"):
-      for retention in ("template", "all"):
-        for T in (2, 4, 8, 16):
-            cfg = M.Config(system_prompt="You are a helpful assistant.", tool_format="native", max_env_steps=100,
-                           thinking_retention=retention, tokenization_check="strict")
-            env = M.MultiTurnToolEnv(tok, [CT._sim_search], cfg)
-            script = []
-            for t in range(T - 1):
-                if scenario == "tool calls":
-                    script.append(("assistant", f"<think>\nStep {t}: I should search for part {t} of the question.\n</think>\n\n"
-                                   '<tool_call>\n{"name": "_sim_search", "arguments": {"query": "part %d"}}\n</tool_call>' % t))
-                else:
-                    script += [("assistant", f"<think>\nStep {t}: the user asks about part {t}.\n</think>\n\nPart {t} is done."),
-                               ("user", f"Now do part {t + 1}.")]
-            script.append(("assistant", "<think>\nI have everything now.\n</think>\n\nThe answer is 42."))
-            ep, seen = CT.simulate_episode(env, script, tok.eos_token_id)
-            assert CT.check_invariants(ep, seen, env) == []
-            merged = sum(len(s.input_ids) for s in ep.samples)
-            per_turn = sum(len(p) + len(ids) for p, ids in seen)
-            print(f"| {scenario} | {T} | {retention} | {len(ep.samples)} | {merged} | {per_turn} | {per_turn / merged:.2f}x |")
-    print("\nQwen3's template keeps past thinking inside a tool cycle (one sample either way) and drops it at every "
-          "new user query: under `template` each user turn forks, under `all` the episode stays one sample.")
+        for retention in ("template", "all"):
+            for T in (2, 4, 8, 16):
+                cfg = M.Config(
+                    system_prompt="You are a helpful assistant.",
+                    tool_format="native",
+                    max_env_steps=100,
+                    thinking_retention=retention,
+                    tokenization_check="strict",
+                )
+                env = M.MultiTurnToolEnv(tok, [CT._sim_search], cfg)
+                script = []
+                for t in range(T - 1):
+                    if scenario == "tool calls":
+                        script.append(
+                            (
+                                "assistant",
+                                f"<think>\nStep {t}: I should search for part {t} of the question.\n</think>\n\n"
+                                '<tool_call>\n{"name": "_sim_search", "arguments": {"query": "part %d"}}\n</tool_call>'
+                                % t,
+                            )
+                        )
+                    else:
+                        script += [
+                            (
+                                "assistant",
+                                f"<think>\nStep {t}: the user asks about part {t}.\n</think>\n\nPart {t} is done.",
+                            ),
+                            ("user", f"Now do part {t + 1}."),
+                        ]
+                script.append(("assistant", "<think>\nI have everything now.\n</think>\n\nThe answer is 42."))
+                ep, seen = CT.simulate_episode(env, script, tok.eos_token_id)
+                assert CT.check_invariants(ep, seen, env) == []
+                merged = sum(len(s.input_ids) for s in ep.samples)
+                per_turn = sum(len(p) + len(ids) for p, ids in seen)
+                print(
+                    f"| {scenario} | {T} | {retention} | {len(ep.samples)} | {merged} | {per_turn} | {per_turn / merged:.2f}x |"
+                )
+    print(
+        "\nQwen3's template keeps past thinking inside a tool cycle (one sample either way) and drops it at every "
+        "new user query: under `template` each user turn forks, under `all` the episode stays one sample."
+    )
 
 
 if __name__ == "__main__":

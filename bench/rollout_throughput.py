@@ -12,6 +12,7 @@ tool calls, HTTP. Compared:
 - ideal: the latency-bound time, 3 turns x latency, with zero client work.
 Server and client share this machine's cores, so the overhead includes the stand-in's HTTP work.
 """
+
 import argparse
 import os
 import random
@@ -35,8 +36,14 @@ class SequentialClient(M.VLLMServerClient):
 def scripted_backend(tok):
     """Tool, tool, then answer (3 turns); random words keep every episode's prompts distinct."""
     words = [tok.encode(f" {w}") for w in ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")]
-    call = (tok.encode("<reasoning>look up"), tok.encode('</reasoning><tool>{"name": "lookup", "args": {"key": "alpha"}}</tool>'))
-    answer = (tok.encode("<reasoning>found"), tok.encode("</reasoning><answer>x</answer>") + [tok.convert_tokens_to_ids("<|im_end|>")])
+    call = (
+        tok.encode("<reasoning>look up"),
+        tok.encode('</reasoning><tool>{"name": "lookup", "args": {"key": "alpha"}}</tool>'),
+    )
+    answer = (
+        tok.encode("<reasoning>found"),
+        tok.encode("</reasoning><answer>x</answer>") + [tok.convert_tokens_to_ids("<|im_end|>")],
+    )
     result_id = tok.convert_tokens_to_ids("<result>")
     rng = random.Random(0)
 
@@ -44,6 +51,7 @@ def scripted_backend(tok):
         head, tail = call if prompt.count(result_id) < 2 else answer
         ids = head + [t for _ in range(4) for t in rng.choice(words)] + tail
         return ids, [-0.1] * len(ids), "stop"
+
     return backend
 
 
@@ -70,30 +78,53 @@ def main():
     port = M.free_port()
     url = f"http://127.0.0.1:{port}"
     # its own process group, stopped however the bench ends (a SIGTERM too)
-    with served([sys.executable, os.path.abspath(__file__), "--serve-port", str(port), "--latency", str(args.latency)], url, 60):
-        rows = [{"prompt": f'What is the value of "k{i}"?', "key": "alpha", "answer": "x"}
-                for i in range(args.episodes // args.group) for _ in range(args.group)]
+    with served(
+        [sys.executable, os.path.abspath(__file__), "--serve-port", str(port), "--latency", str(args.latency)], url, 60
+    ):
+        rows = [
+            {"prompt": f'What is the value of "k{i}"?', "key": "alpha", "answer": "x"}
+            for i in range(args.episodes // args.group)
+            for _ in range(args.group)
+        ]
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = M.load_config(None, [f"vllm_server_url={url}", "max_env_steps=2", "max_tokens=64", "max_seq_len=4096",
-                                       "max_concurrent_requests=256", f"output_dir={tmp}/run", "tokenization_check=off"])
+            cfg = M.load_config(
+                None,
+                [
+                    f"vllm_server_url={url}",
+                    "max_env_steps=2",
+                    "max_tokens=64",
+                    "max_seq_len=4096",
+                    "max_concurrent_requests=256",
+                    f"output_dir={tmp}/run",
+                    "tokenization_check=off",
+                ],
+            )
             env = M.MultiTurnToolEnv(tok, [lookup], cfg)
             timings = {}
-            for name, cls, eps, reps in (("ours", M.VLLMServerClient, rows, 2),
-                                         ("sequential", SequentialClient, rows[:args.seq_episodes], 1)):
+            for name, cls, eps, reps in (
+                ("ours", M.VLLMServerClient, rows, 2),
+                ("sequential", SequentialClient, rows[: args.seq_episodes], 1),
+            ):
                 client = cls(cfg, len(tok), {tok.convert_tokens_to_ids("<|im_end|>")})
-                for _ in range(reps):   # ours: the second rollout, with the client's threads up, as in training
+                for _ in range(reps):  # ours: the second rollout, with the client's threads up, as in training
                     t = time.perf_counter()
                     done = env.rollout(eps, client)
                     timings[name] = (time.perf_counter() - t) * len(rows) / len(eps)
-                assert all(len(e.turns) == 3 and e.end_reason == "answer" for e in done), "every episode: tool, tool, answer"
-                print(f"{name:>10}: {len(done)} episodes, {timings[name]:.2f} s"
-                      f"{' (scaled to %d episodes)' % len(rows) if len(eps) < len(rows) else ''}")
+                assert all(len(e.turns) == 3 and e.end_reason == "answer" for e in done), (
+                    "every episode: tool, tool, answer"
+                )
+                print(
+                    f"{name:>10}: {len(done)} episodes, {timings[name]:.2f} s"
+                    f"{' (scaled to %d episodes)' % len(rows) if len(eps) < len(rows) else ''}"
+                )
     ideal = 3 * args.latency
     print(f"\n{args.episodes} episodes x 3 turns, {args.latency:.1f} s per request, {os.cpu_count()} CPU cores")
     print(f"| client | time (s) | speedup over sequential | overhead vs ideal ({ideal:.1f} s) |\n|---|---|---|---|")
     for name in ("sequential", "ours"):
-        print(f"| {name} | {timings[name]:.1f} | {timings['sequential'] / timings[name]:.1f}x | "
-              f"{100 * (timings[name] / ideal - 1):.1f}% |")
+        print(
+            f"| {name} | {timings[name]:.1f} | {timings['sequential'] / timings[name]:.1f}x | "
+            f"{100 * (timings[name] / ideal - 1):.1f}% |"
+        )
 
 
 if __name__ == "__main__":

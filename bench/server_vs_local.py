@@ -8,6 +8,7 @@ Prints the mean per-step times of each layout, the server's start-up, the learni
 step 1, first and last 10-step means, the first step whose trailing 10-step mean reaches 0.8) and the
 sampler/trainer agreement figures. Both runs go through `bash run.sh`, as a user runs them.
 """
+
 import argparse
 import json
 import os
@@ -24,19 +25,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(layout, recipe, steps, out, extra):
     env = {**os.environ, "MTGRPO_LAYOUT": layout, "MTGRPO_VLLM_LOG": f"{out}.vllm.log"}
     t = time.time()
-    r = subprocess.run(["bash", "run.sh", recipe, f"max_steps={steps}", f"output_dir={out}", "save_steps=0", *extra],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", "run.sh", recipe, f"max_steps={steps}", f"output_dir={out}", "save_steps=0", *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.time() - t
     if r.returncode:
         sys.exit(f"{layout} run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     start = re.search(r"vLLM is healthy at \S+ after (\d+) s", r.stdout)
-    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))], wall, int(start.group(1)) if start else None
+    return (
+        [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))],
+        wall,
+        int(start.group(1)) if start else None,
+    )
 
 
 def curve(h):
     o = [m["reward/outcome"] for m in h]
     k = min(10, len(o))
-    trailing = [np.mean(o[max(0, i - 9):i + 1]) for i in range(len(o))]
+    trailing = [np.mean(o[max(0, i - 9) : i + 1]) for i in range(len(o))]
     reached = next((i + 1 for i, v in enumerate(trailing) if i >= 9 and v >= 0.8), None)
     return o[0], np.mean(o[:k]), np.mean(o[-k:]), reached
 
@@ -58,14 +68,19 @@ def main():
     for layout, (h, wall, start) in rows.items():
         cells = [f"{np.mean([m[k] for m in h]):.2f}" if k in h[0] else "-" for k in keys]
         print(f"| {layout} | " + " | ".join(cells) + f" | {start if start is not None else '-'} | {wall:.0f} |")
-    print("\n| layout | outcome step 1 | first 10 | last 10 | trailing-10 >= 0.8 at step | sampler_logprob_diff | probe_logprob_diff |")
+    print(
+        "\n| layout | outcome step 1 | first 10 | last 10 | trailing-10 >= 0.8 at step | sampler_logprob_diff | probe_logprob_diff |"
+    )
     print("|---|---|---|---|---|---|---|")
     for layout, (h, _, _) in rows.items():
         first, early, late, reached = curve(h)
         probe = [m["sync/probe_logprob_diff"] for m in h if "sync/probe_logprob_diff" in m]
-        print(f"| {layout} | {first:.3f} | {early:.3f} | {late:.3f} | {reached or 'not reached'} | "
-              f"{np.mean([m['rollout/sampler_logprob_diff'] for m in h]):.5f} | "
-              + (f"{np.mean(probe):.4f} (max {max(probe):.4f})" if probe else "-") + " |")
+        print(
+            f"| {layout} | {first:.3f} | {early:.3f} | {late:.3f} | {reached or 'not reached'} | "
+            f"{np.mean([m['rollout/sampler_logprob_diff'] for m in h]):.5f} | "
+            + (f"{np.mean(probe):.4f} (max {max(probe):.4f})" if probe else "-")
+            + " |"
+        )
     ratio = np.mean([m["time/step"] for m in rows["server"][0]]) / np.mean([m["time/step"] for m in rows["local"][0]])
     print(f"\nserver step time / local step time: {ratio:.2f}x")
 

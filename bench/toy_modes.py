@@ -7,6 +7,7 @@ step at which the outcome reward, averaged over the trailing 10 steps, reaches t
 reached" within the step budget otherwise). Steps, not seconds, so the table does not depend on the
 machine. Runs go to bench/runs/; a finished run is reused.
 """
+
 import argparse
 import json
 import os
@@ -22,7 +23,7 @@ def steps_to(metrics, target, window=10, key="reward/outcome"):
     """The first step at which `key`, averaged over the trailing `window` steps, reaches `target` (None: never)."""
     r = [m[key] for m in metrics]
     for i in range(window, len(r) + 1):
-        if sum(r[i - window:i]) / window >= target:
+        if sum(r[i - window : i]) / window >= target:
             return i
     return None
 
@@ -40,9 +41,23 @@ def train_modes(recipe, seeds, max_steps, runs_dir, overrides=()):
                 if os.path.isfile(path):
                     os.remove(path)
                 print(f"[bench] {mode} seed {seed} ...", flush=True)
-                subprocess.run([sys.executable, "mt_grpo_trainer.py", recipe, f"advantage_mode={mode}", f"seed={seed}",
-                                f"max_steps={max_steps}", f"output_dir={out}", "log_episodes_steps=0", *overrides],
-                               cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "mt_grpo_trainer.py",
+                        recipe,
+                        f"advantage_mode={mode}",
+                        f"seed={seed}",
+                        f"max_steps={max_steps}",
+                        f"output_dir={out}",
+                        "log_episodes_steps=0",
+                        *overrides,
+                    ],
+                    cwd=ROOT,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             runs[(mode, seed)] = [json.loads(line) for line in open(path)]
     return runs
 
@@ -54,20 +69,32 @@ def main():
     ap.add_argument("--target", type=float, default=0.8)
     args = ap.parse_args()
     results = {}
-    for (mode, seed), metrics in train_modes(RECIPE, args.seeds, args.max_steps, os.path.join(ROOT, "bench", "runs")).items():
+    for (mode, seed), metrics in train_modes(
+        RECIPE, args.seeds, args.max_steps, os.path.join(ROOT, "bench", "runs")
+    ).items():
         last = sum(m["reward/outcome"] for m in metrics[-10:]) / 10
         results[(mode, seed)] = (steps_to(metrics, args.target), metrics[0]["reward/outcome"], last)
-    print(f"\nSteps until the trailing-10-step outcome reward reaches {args.target} "
-          f"(budget {args.max_steps} steps, 64 episodes per step):\n")
+    print(
+        f"\nSteps until the trailing-10-step outcome reward reaches {args.target} "
+        f"(budget {args.max_steps} steps, 64 episodes per step):\n"
+    )
     print("| Method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean | last-10 outcome (mean) |")
     print("|---|" + "---|" * (len(args.seeds) + 2))
     for mode, name in MODES.items():
         steps = [results[(mode, s)][0] for s in args.seeds]
         reached = [s for s in steps if s is not None]
-        mean = f"{sum(reached) / len(reached):.0f}" + ("" if len(reached) == len(steps) else f" ({len(reached)}/{len(steps)} reached)") if reached else "not reached"
+        mean = (
+            f"{sum(reached) / len(reached):.0f}"
+            + ("" if len(reached) == len(steps) else f" ({len(reached)}/{len(steps)} reached)")
+            if reached
+            else "not reached"
+        )
         lasts = sum(results[(mode, s)][2] for s in args.seeds) / len(args.seeds)
-        print(f"| {name} (`{mode}`) | " + " | ".join(str(s) if s is not None else "not reached" for s in steps)
-              + f" | {mean} | {lasts:.3f} |")
+        print(
+            f"| {name} (`{mode}`) | "
+            + " | ".join(str(s) if s is not None else "not reached" for s in steps)
+            + f" | {mean} | {lasts:.3f} |"
+        )
 
 
 if __name__ == "__main__":

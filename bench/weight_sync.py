@@ -8,6 +8,7 @@ trainer runs it: gather the state dict, write bf16 safetensors to a fresh folder
 safetensors into its CPU model, as vLLM's layerwise reload reads them onto the GPU. Reported:
 seconds for the write, for the server calls (mostly the reload), total, and GB/s of bf16 weights.
 """
+
 import argparse
 import os
 import sys
@@ -24,17 +25,27 @@ from tests.vllm_standin import StandinServer  # noqa: E402
 def model_of(millions: int, tmp: str):
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     from tokenizers import Tokenizer, models
+
     hidden = {25: 512, 100: 1024, 400: 1536}.get(millions, 512)
     layers = max(1, round((millions * 1e6 - 2 * 32000 * hidden) / (12 * hidden * hidden)))
-    cfg = Qwen3Config(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=64,
-                      tie_word_embeddings=False, max_position_embeddings=256)
+    cfg = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        head_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     path = os.path.join(tmp, f"model-{millions}m")
     model.save_pretrained(path)
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")),
-                                  eos_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")), eos_token="<unk>"
+    )
     tok.save_pretrained(path)
     return model, path
 
@@ -52,13 +63,15 @@ def main():
             model, path = model_of(millions, tmp)
             n = sum(p.numel() for p in model.parameters())
             with StandinServer(path) as srv:
-                cfg = M.load_config(None, [f"vllm_server_url={srv.url}", f"weight_sync_dir={sync_dir}", f"output_dir={tmp}/run"])
+                cfg = M.load_config(
+                    None, [f"vllm_server_url={srv.url}", f"weight_sync_dir={sync_dir}", f"output_dir={tmp}/run"]
+                )
                 client = M.VLLMServerClient(cfg, 32000)
                 best = None
                 for k in range(args.repeats):
                     t0 = time.perf_counter()
                     sd, _ = M.full_state(model)
-                    real = client.request   # split the write from the server calls
+                    real = client.request  # split the write from the server calls
                     marks = []
                     client.request = lambda *a, **kw: (marks.append(time.perf_counter()), real(*a, **kw))[1]
                     client.sync_weights(model, sd, version=k + 1)

@@ -3,6 +3,7 @@ same source as `python mt_grpo_trainer.py --help`. tests/test_config.py fails wh
 
     .venv/bin/python docs/recipe_keys.py > docs/recipe-keys.md
 """
+
 import dataclasses
 import os
 import sys

@@ -5,6 +5,7 @@ tool ran without error) and `answer_in_result_reward` (its result holds the answ
 `exact_answer_reward` (rewards/toy_kv_reward.py, the final answer equals the gold colour) and
 `format_reward` (every assistant turn follows the XML protocol).
 """
+
 import os
 import re
 import sys
@@ -27,7 +28,9 @@ def answer_in_result_reward(completions, name, answer, **_):
 
 def format_reward(completions, **_):
     """Outcome level: 1.0 if every assistant turn is <reasoning> then one <tool> or <answer>, and the last answers."""
+
     def ok(msgs):
         turns = [m["content"].strip() for m in msgs if m["role"] == "assistant"]
         return bool(turns) and all(TURN.fullmatch(t) for t in turns) and "<answer>" in turns[-1]
+
     return [1.0 if ok(c) else 0.0 for c in completions]

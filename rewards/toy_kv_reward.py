@@ -4,6 +4,7 @@ A reward function is `fn(completions, **dataset_columns) -> list[float]`: `compl
 episode i's generated messages (assistant turns and environment replies, after the prompt), and
 each dataset column arrives as a list aligned with `completions`.
 """
+
 import re
 
 RESULT = re.compile(r"<result>\s*(.*?)\s*</result>", re.S)
@@ -27,8 +28,7 @@ def final_answer(messages):
 
 def lookup_hit_reward(completions, answer, **_):
     """Turn level: 1.0 if the first tool result holds the gold value (the right key was looked up)."""
-    return [1.0 if (r := first_result(c)) is not None and r.strip() == a else 0.0
-            for c, a in zip(completions, answer)]
+    return [1.0 if (r := first_result(c)) is not None and r.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 
 def exact_answer_reward(completions, answer, **_):

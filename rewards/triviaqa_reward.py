@@ -34,17 +34,19 @@ blocks (thinking models) are ignored by every check. Both tool protocols work: X
 user message `<result>...</result>`) and native (role "tool"); the format rewards measure the XML
 protocol only.
 """
+
 import re
 import string
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 THINK = re.compile(r"<think>.*?</think>", re.S)
-FIELDS = [("reasoning",), ("tool", "answer")]          # the protocol: <reasoning>, then <tool> or <answer>
-PUNCT = set(string.punctuation + "\u2018\u2019\u00b4`")   # TriviaQA's set: ASCII punctuation and quote-like marks
+FIELDS = [("reasoning",), ("tool", "answer")]  # the protocol: <reasoning>, then <tool> or <answer>
+PUNCT = set(string.punctuation + "\u2018\u2019\u00b4`")  # TriviaQA's set: ASCII punctuation and quote-like marks
 
 
 # --- normalisation and episode parsing --------------------------------------------------------
+
 
 def normalize_answer(s: str) -> str:
     """TriviaQA's answer normalisation (triviaqa/utils/dataset_utils.py, as behind `normalized_aliases`)."""
@@ -85,8 +87,8 @@ def tool_results(messages: list[dict]) -> list[str]:
         if not is_env_reply(m):
             continue
         text = str(m.get("content") or "").strip()
-        if m["role"] == "user":                         # XML: strip the <result> wrapper (only the outer one)
-            text = text[len(RESULT_OPEN):]
+        if m["role"] == "user":  # XML: strip the <result> wrapper (only the outer one)
+            text = text[len(RESULT_OPEN) :]
             text = text[: -len(RESULT_CLOSE)] if text.endswith(RESULT_CLOSE) else text
         out.append(text.strip())
     return out
@@ -112,6 +114,7 @@ def assistant_texts(messages: list[dict]) -> list[str]:
 
 # --- turn level -------------------------------------------------------------------------------
 
+
 def tool_execution_reward_func(completions, **kwargs) -> list[float]:
     """0.2 x (tool calls that returned a non-error result) / (tool calls executed); 0 without tool calls."""
     out = []
@@ -134,6 +137,7 @@ def exist_answer_in_search_results(completions, aliases=None, answer=None, **kwa
 
 
 # --- outcome level ----------------------------------------------------------------------------
+
 
 def exact_match_reward_func(completions, aliases=None, answer=None, **kwargs) -> list[float]:
     """1.0 if the normalised final <answer> equals a normalised gold alias."""

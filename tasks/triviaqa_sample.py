@@ -21,6 +21,7 @@ Two datasets:
   an inline example); after two example exchanges about 5 in 8 first turns call wiki_search. The
   examples are part of the prompt, so no reward sees them.
 """
+
 import hashlib
 import json
 import os
@@ -40,15 +41,17 @@ SEARCH_SETTINGS = {"WIKI_SEARCH_MAX_CHARS": "800"}
 
 def _need(path: str) -> str:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"TriviaQA sample file not found: {path} (the sample lives in ../shared/fixtures, "
-                                "next to the project folder)")
+        raise FileNotFoundError(
+            f"TriviaQA sample file not found: {path} (the sample lives in ../shared/fixtures, "
+            "next to the project folder)"
+        )
     return path
 
 
 def passages(article: dict, words: int = PASSAGE_WORDS) -> list[str]:
     """An article {title, text} as `"Title"\\n<up to `words` words>` passages, in order."""
     title, toks = str(article["title"]).strip(), str(article["text"]).split()
-    return [f'"{title}"\n' + " ".join(toks[i:i + words]) for i in range(0, len(toks), words)]
+    return [f'"{title}"\n' + " ".join(toks[i : i + words]) for i in range(0, len(toks), words)]
 
 
 def corpus() -> str:
@@ -72,25 +75,44 @@ def corpus() -> str:
 
 
 def _call(query: str) -> str:
-    return ('<reasoning>I should search Wikipedia for this.</reasoning>\n'
-            f'<tool>{json.dumps({"name": "wiki_search", "args": {"query": query}})}</tool>')
+    return (
+        "<reasoning>I should search Wikipedia for this.</reasoning>\n"
+        f"<tool>{json.dumps({'name': 'wiki_search', 'args': {'query': query}})}</tool>"
+    )
 
 
 # (question, query, title, passage, answer): facts outside the sample's questions and corpus
-EXAMPLES = [("Where does the Eiffel Tower stand?", "Eiffel Tower", "Eiffel Tower",
-             "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.", "Paris"),
-            ("Who wrote the novel Moby-Dick?", "Moby-Dick author", "Moby-Dick",
-             "Moby-Dick is an 1851 novel by American writer Herman Melville.", "Herman Melville")]
+EXAMPLES = [
+    (
+        "Where does the Eiffel Tower stand?",
+        "Eiffel Tower",
+        "Eiffel Tower",
+        "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
+        "Paris",
+    ),
+    (
+        "Who wrote the novel Moby-Dick?",
+        "Moby-Dick author",
+        "Moby-Dick",
+        "Moby-Dick is an 1851 novel by American writer Herman Melville.",
+        "Herman Melville",
+    ),
+]
 
 
 def fewshot_messages() -> list[dict]:
     """The worked examples, as conversation turns in the XML protocol (results as wiki_search formats them)."""
     msgs = []
     for question, query, title, passage, answer in EXAMPLES:
-        msgs += [{"role": "user", "content": question},
-                 {"role": "assistant", "content": _call(query)},
-                 {"role": "user", "content": f"<result>\nDoc 1 (Title: {title})\n{passage}\n</result>"},
-                 {"role": "assistant", "content": f"<reasoning>The result answers it.</reasoning>\n<answer>{answer}</answer>"}]
+        msgs += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": _call(query)},
+            {"role": "user", "content": f"<result>\nDoc 1 (Title: {title})\n{passage}\n</result>"},
+            {
+                "role": "assistant",
+                "content": f"<reasoning>The result answers it.</reasoning>\n<answer>{answer}</answer>",
+            },
+        ]
     return msgs
 
 

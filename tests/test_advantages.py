@@ -1,5 +1,6 @@
 """Advantages: group normalisation, the zero-spread guard, the three modes (one advantage per assistant turn), and
 a token's advantage being its turn's."""
+
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ def test_zero_spread_gives_zero_never_nan():
 
 def test_one_outlier_gives_bounded_values():
     a = M.group_normalize(list(np.float32([0.35] * 7 + [0.95])))
-    assert np.all(np.isfinite(a)) and np.abs(a).max() < 3       # at most sqrt(G-1) ~ 2.65 for G=8
+    assert np.all(np.isfinite(a)) and np.abs(a).max() < 3  # at most sqrt(G-1) ~ 2.65 for G=8
     assert np.allclose(a[:7], a[0]) and a[0] < 0 < a[7]
 
 
@@ -34,8 +35,16 @@ def group(*turns_and_splits):
     for n, split in turns_and_splits:
         idx = [i for t in range(n) for i in (-1, t, t)]
         sample = M.Sample(input_ids=[0] * len(idx), loss_mask=[int(t >= 0) for t in idx], turn_idx=idx)
-        eps.append(M.Episode(row={}, messages=[], n_prompt_messages=0, turns=[M.Turn(0, 0)] * n,
-                             samples=[sample], first_result_turn=split))
+        eps.append(
+            M.Episode(
+                row={},
+                messages=[],
+                n_prompt_messages=0,
+                turns=[M.Turn(0, 0)] * n,
+                samples=[sample],
+                first_result_turn=split,
+            )
+        )
     return eps
 
 
@@ -50,7 +59,7 @@ def test_modes_give_one_advantage_per_turn_split_at_the_first_tool_result():
     eps = group(*GROUP)
     before = a_o + 0.5 * a_t
     want = [[before[0], a_o[0]], [before[1], a_o[1], a_o[1]], [before[2]], [before[3]]]
-    assert M.ADVANTAGE_MODES["mt_grpo"](eps, turn, out, cfg) == want   # exact: today's numbers
+    assert M.ADVANTAGE_MODES["mt_grpo"](eps, turn, out, cfg) == want  # exact: today's numbers
     assert M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(a_o, GROUP)]
     merged = M.group_normalize(np.add(turn, out))
     assert M.ADVANTAGE_MODES["grpo_merged"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(merged, GROUP)]
@@ -61,7 +70,7 @@ def test_modes_give_one_advantage_per_turn_split_at_the_first_tool_result():
 def test_a_tokens_advantage_is_its_turns():
     turn_idx = [-1, -1, 0, 0, -1, -1, 1, 1, -1, 2]
     mask = [0, 0, 1, 1, 0, 0, 1, 1, 0, 1]
-    assert M.token_advantages(turn_idx, mask, [2.0, 0.5, -1.0]) == [0, 0, 2, 2, 0, 0, .5, .5, 0, -1]
+    assert M.token_advantages(turn_idx, mask, [2.0, 0.5, -1.0]) == [0, 0, 2, 2, 0, 0, 0.5, 0.5, 0, -1]
     eps = group(*GROUP)
     cfg = M.Config(num_generations=4, turn_advantage_coef=0.5)
     M.assign_advantages(eps, [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], cfg)
@@ -73,6 +82,9 @@ def test_a_tokens_advantage_is_its_turns():
 
 def test_a_mode_that_does_not_give_one_advantage_per_turn_is_one_line(monkeypatch):
     monkeypatch.setitem(M.ADVANTAGE_MODES, "per_episode", lambda eps, turn_R, outcome_R, cfg: [[1.0] for _ in eps])
-    with pytest.raises(M.ConfigError, match=r"'per_episode' must return one advantage per assistant turn: it gave "
-                                            r"\[1, 1, 1, 1\] for episodes of \[2, 3, 1, 1\] turns"):
+    with pytest.raises(
+        M.ConfigError,
+        match=r"'per_episode' must return one advantage per assistant turn: it gave "
+        r"\[1, 1, 1, 1\] for episodes of \[2, 3, 1, 1\] turns",
+    ):
         M.assign_advantages(group(*GROUP), [0.0] * 4, [1.0, 0.0, 0.0, 0.0], M.Config(advantage_mode="per_episode"))

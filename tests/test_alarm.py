@@ -1,4 +1,5 @@
 """The tool-use collapse alarm: per-turn tool-call rates, and one warning when the first turn's rate collapses."""
+
 import json
 import os
 
@@ -13,10 +14,12 @@ def episode(turns: int, end_reason: str) -> M.Episode:
 
 
 def test_tool_rate_per_turn_index_counts_the_turns_that_called_a_tool():
-    eps = [episode(1, "answer"),          # answered at once: no call
-           episode(2, "answer"),          # a call, then the answer
-           episode(2, "max_env_steps"),   # a call, then a second one the limit did not run: it still called
-           episode(1, "truncated")]       # a call cut by max_tokens is no call
+    eps = [
+        episode(1, "answer"),  # answered at once: no call
+        episode(2, "answer"),  # a call, then the answer
+        episode(2, "max_env_steps"),  # a call, then a second one the limit did not run: it still called
+        episode(1, "truncated"),
+    ]  # a call cut by max_tokens is no call
     m = M.rollout_metrics(eps)
     assert (m["rollout/tool_rate_turn0"], m["rollout/tool_rate_turn1"]) == (0.5, 0.25)
     assert "rollout/tool_rate_turn2" not in m

@@ -1,5 +1,6 @@
 """Rollouts that overlap training (max_staleness), partial rollouts across a sync, and dynamic sampling
 (filter_zero_spread_groups): against the stand-in server, in-process, and under torchrun."""
+
 import json
 import os
 import queue
@@ -23,9 +24,17 @@ def server(tiny_model_dir):
 
 
 def server_args(srv, tmp_path, tiny_model_dir, *extra):
-    return [f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={srv.url}",
-            f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=12",
-            "log_episodes_steps=1", *extra]
+    return [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"vllm_server_url={srv.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "log_episodes_steps=1",
+        *extra,
+    ]
 
 
 def episodes(run_dir):
@@ -38,7 +47,9 @@ def trained_versions(ep):
 
 def test_max_staleness_needs_a_server_and_sync_every_1(tmp_path, tiny_model_dir):
     common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_staleness=1", "max_steps=1"]
-    with pytest.raises(M.ConfigError, match="max_staleness=1 needs a vLLM server .* in-process sampler shares the weights"):
+    with pytest.raises(
+        M.ConfigError, match="max_staleness=1 needs a vLLM server .* in-process sampler shares the weights"
+    ):
         M.train(recipe_cfg(tmp_path, *common))
     with pytest.raises(M.ConfigError, match="sync_every=1"):
         M.train(recipe_cfg(tmp_path, *common, "vllm_server_url=http://127.0.0.1:9", "sync_every=2"))
@@ -54,30 +65,37 @@ def test_max_staleness_0_trains_every_token_on_the_policy_that_sampled_it(server
     assert not [k for m in hist for k in m if "staleness" in k or "filter" in k or "draws" in k]
 
 
-def test_max_staleness_1_overlaps_rollout_and_update_and_bounds_staleness(server, tmp_path, tiny_model_dir, monkeypatch):
-    server.faults.set_latency(0.3)   # a rollout phase about as slow as an update: there is something to overlap
+def test_max_staleness_1_overlaps_rollout_and_update_and_bounds_staleness(
+    server, tmp_path, tiny_model_dir, monkeypatch
+):
+    server.faults.set_latency(0.3)  # a rollout phase about as slow as an update: there is something to overlap
     update = M.train_on_samples
     monkeypatch.setattr(M, "train_on_samples", lambda *a, **k: (time.sleep(0.6), update(*a, **k))[1])
-    hist = M.train(recipe_cfg(tmp_path, *server_args(server, tmp_path, tiny_model_dir, "max_steps=5", "max_staleness=1")))
+    hist = M.train(
+        recipe_cfg(tmp_path, *server_args(server, tmp_path, tiny_model_dir, "max_steps=5", "max_staleness=1"))
+    )
     assert [m["step"] for m in hist] == [1, 2, 3, 4, 5]
     assert all(m["rollout/staleness_max"] <= 1 for m in hist)
     assert max(m["rollout/staleness_mean"] for m in hist) > 0, "rollouts ran ahead of the update (off-policy by 1)"
     waited = sum(m["time/wait_rollout"] for m in hist[1:])
     rolled = sum(m["time/rollout"] for m in hist[1:])
     assert waited < 0.8 * rolled, f"the trainer waited {waited:.2f}s of {rolled:.2f}s of rollouts: no overlap"
-    for ep in episodes(tmp_path / "run"):   # every trained token knows its version, and none is older than allowed
+    for ep in episodes(tmp_path / "run"):  # every trained token knows its version, and none is older than allowed
         assert all(ep["step"] - 2 <= v <= ep["step"] - 1 for v in trained_versions(ep))
     syncs = [r for r in server.requests if r["path"] == "/pause"]
-    assert syncs and all(r["query"] == {"mode": "keep", "clear_cache": "false"} for r in syncs), \
+    assert syncs and all(r["query"] == {"mode": "keep", "clear_cache": "false"} for r in syncs), (
         "a sync freezes requests in flight (partial rollouts) rather than aborting them"
+    )
     assert not [t for t in threading.enumerate() if t.name == "mt-grpo-rollouts" and t.is_alive()]
 
 
 def test_take_hands_back_every_group_and_the_staleness_of_every_trained_token():
     """take() at step 5 with k = 1 drops nothing (the permits keep tokens within k versions): a token from version 3,
     2 versions old, would be a bug in the permits, and shows in rollout/staleness_max instead of vanishing."""
+
     class FakeRun:
         cfg = M.Config(num_generations=2, max_staleness=1, max_steps=10)
+
     producer = M.RolloutProducer.__new__(M.RolloutProducer)
     producer.run, producer.k, producer.ready = FakeRun(), 1, queue.Queue()
 
@@ -87,7 +105,8 @@ def test_take_hands_back_every_group_and_the_staleness_of_every_trained_token():
         for v in versions:
             s.append([7], mask=1, logprobs=[-1.0], turn=0, version=v)
         return M.Episode(row={}, messages=[], n_prompt_messages=0, samples=[s])
-    groups = [ep([4, 4]), ep([5]), ep([4]), ep([3, 5])]   # trained tokens 1, 1, 0, 1, 2 and 0 versions old
+
+    groups = [ep([4, 4]), ep([5]), ep([4]), ep([3, 5])]  # trained tokens 1, 1, 0, 1, 2 and 0 versions old
     producer.ready.put((groups, {"time/rollout": 1.0}))
     taken, m = producer.take(5)
     assert taken == groups and "rollout/groups_dropped_stale" not in m
@@ -98,8 +117,15 @@ def test_a_sync_under_max_staleness_freezes_requests_and_salts_new_ones_before_t
     """Partial rollouts: a generation in flight at a sync is not aborted and sent again; it finishes, and keeps the
     version it was requested under (its oldest tokens); requests after the resume carry the new version's salt."""
     model, _ = tiny
-    cfg = M.load_config(None, [f"vllm_server_url={server.url}", f"weight_sync_dir={tmp_path}/shm",
-                               f"output_dir={tmp_path}/run", "max_staleness=1"])
+    cfg = M.load_config(
+        None,
+        [
+            f"vllm_server_url={server.url}",
+            f"weight_sync_dir={tmp_path}/shm",
+            f"output_dir={tmp_path}/run",
+            "max_staleness=1",
+        ],
+    )
     client = M.VLLMServerClient(cfg, server.vocab_size, {server.eos_id})
     server.faults.set_latency(1.0)
     out = {}
@@ -117,26 +143,42 @@ def test_a_sync_under_max_staleness_freezes_requests_and_salts_new_ones_before_t
     assert c2.version == 1 and server.requests[-1]["body"]["cache_salt"].endswith("-v1")
 
 
-SPREAD = ("def spread_for_some_keys(completions, key, **_):\n"
-          "    # groups of rows whose key starts with a-m get rewards 0, 1, 0, 1 (spread); the others all 1 (none)\n"
-          "    return [float(i % 2) if k[0] <= 'm' else 1.0 for i, k in enumerate(key)]\n")
+SPREAD = (
+    "def spread_for_some_keys(completions, key, **_):\n"
+    "    # groups of rows whose key starts with a-m get rewards 0, 1, 0, 1 (spread); the others all 1 (none)\n"
+    "    return [float(i % 2) if k[0] <= 'm' else 1.0 for i, k in enumerate(key)]\n"
+)
 
 
 @pytest.mark.parametrize("draws", [0, 3])
 def test_dynamic_sampling_drops_groups_without_spread_and_draws_more(tmp_path, tiny_model_dir, draws):
     reward = tmp_path / "spread.py"
     reward.write_text(SPREAD)
-    hist = M.train(recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=3",
-                              "prompts_per_step=4", "num_generations=2", "max_tokens=6", "log_episodes_steps=1",
-                              f"outcome_reward_funcs=[{reward}:spread_for_some_keys]", "turn_reward_funcs=[]",
-                              "filter_zero_spread_groups=true", f"max_filter_draws={draws}"))
+    hist = M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=3",
+            "prompts_per_step=4",
+            "num_generations=2",
+            "max_tokens=6",
+            "log_episodes_steps=1",
+            f"outcome_reward_funcs=[{reward}:spread_for_some_keys]",
+            "turn_reward_funcs=[]",
+            "filter_zero_spread_groups=true",
+            f"max_filter_draws={draws}",
+        )
+    )
     eps = episodes(tmp_path / "run")
     for m in hist:
         step = [e for e in eps if e["step"] == m["step"]]
         assert len(step) == 8, "a step always trains prompts_per_step groups"
         flat = {e["group"] for e in step if e["messages"] and not any(e["advantages"])}
         assert m["rollout/extra_draws"] <= 4 * draws and m["rollout/groups_filtered"] >= len(flat)
-        assert m["reward/outcome_before_filter"] >= m["reward/outcome"], "filtered groups (all 1.0) count before the filter"
+        assert m["reward/outcome_before_filter"] >= m["reward/outcome"], (
+            "filtered groups (all 1.0) count before the filter"
+        )
         if draws == 0:
             assert m["rollout/extra_draws"] == 0 and len(flat) == m["rollout/groups_filtered"], "filled back in"
     if draws:
@@ -146,8 +188,14 @@ def test_dynamic_sampling_drops_groups_without_spread_and_draws_more(tmp_path, t
 
 
 def test_dynamic_sampling_off_changes_nothing(tmp_path, tiny_model_dir):
-    common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=2", "prompts_per_step=2",
-              "num_generations=2", "max_tokens=6"]
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=2",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=6",
+    ]
     a = M.train(recipe_cfg(tmp_path / "a", *common))
     b = M.train(recipe_cfg(tmp_path / "b", *common, "max_filter_draws=5"))
     strip = lambda h: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in h]
@@ -161,30 +209,57 @@ def test_a_resumed_run_with_staleness_rolls_out_the_same_prompts_as_an_unbroken_
     M.train(recipe_cfg(tmp_path / "unbroken", *args, "max_steps=4"))
     M.train(recipe_cfg(tmp_path / "broken", *args, "max_steps=2"))
     M.train(recipe_cfg(tmp_path / "broken", *args, "max_steps=4", "resume_from_checkpoint=auto"))
-    prompts = lambda d: [(e["step"], next(m["content"] for m in e["messages"] if m["role"] == "user")) for e in episodes(d / "run")]
+    prompts = lambda d: [
+        (e["step"], next(m["content"] for m in e["messages"] if m["role"] == "user")) for e in episodes(d / "run")
+    ]
     assert prompts(tmp_path / "unbroken") == prompts(tmp_path / "broken")
     assert [e["step"] for e in episodes(tmp_path / "broken" / "run")] == [s for s in (1, 2, 3, 4) for _ in range(4)]
 
 
 def test_a_reward_error_in_the_producer_ends_the_run_with_it(server, tmp_path, tiny_model_dir):
     bad = tmp_path / "bad.py"
-    bad.write_text("calls = []\n\ndef reward(completions, **_):\n    calls.append(1)\n"
-                   "    if len(calls) == 3:\n        raise ValueError('reward exploded at its third call')\n"
-                   "    return [0.0] * len(completions)\n")
+    bad.write_text(
+        "calls = []\n\ndef reward(completions, **_):\n    calls.append(1)\n"
+        "    if len(calls) == 3:\n        raise ValueError('reward exploded at its third call')\n"
+        "    return [0.0] * len(completions)\n"
+    )
     with pytest.raises(M.RewardError, match="reward exploded at its third call"):
-        M.train(recipe_cfg(tmp_path, *server_args(server, tmp_path, tiny_model_dir, "max_steps=6", "max_staleness=1",
-                                                  f"outcome_reward_funcs=[{bad}:reward]")))
+        M.train(
+            recipe_cfg(
+                tmp_path,
+                *server_args(
+                    server,
+                    tmp_path,
+                    tiny_model_dir,
+                    "max_steps=6",
+                    "max_staleness=1",
+                    f"outcome_reward_funcs=[{bad}:reward]",
+                ),
+            )
+        )
     time.sleep(0.5)
     assert not [t for t in threading.enumerate() if t.name == "mt-grpo-rollouts" and t.is_alive()]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_signal_with_staleness_saves_and_exits_without_waiting_for_the_producer(server, tmp_path, tiny_model_dir, sig):
+def test_a_signal_with_staleness_saves_and_exits_without_waiting_for_the_producer(
+    server, tmp_path, tiny_model_dir, sig
+):
     server.faults.set_latency(0.3)
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"output_dir={run}",
-                          *server_args(server, tmp_path, tiny_model_dir, "max_steps=200", "max_staleness=2")],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "mt_grpo_trainer.py",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"output_dir={run}",
+            *server_args(server, tmp_path, tiny_model_dir, "max_steps=200", "max_staleness=2"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
         time.sleep(0.2)
@@ -198,9 +273,16 @@ def test_a_signal_with_staleness_saves_and_exits_without_waiting_for_the_produce
 
 def test_under_torchrun_each_rank_runs_its_own_producer(server, tmp_path, tiny_model_dir):
     from tests.test_distributed import torchrun
+
     run = tmp_path / "run"
-    r = torchrun(["mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"output_dir={run}",
-                  *server_args(server, tmp_path, tiny_model_dir, "max_steps=3", "max_staleness=1", "save_steps=0")])
+    r = torchrun(
+        [
+            "mt_grpo_trainer.py",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"output_dir={run}",
+            *server_args(server, tmp_path, tiny_model_dir, "max_steps=3", "max_staleness=1", "save_steps=0"),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     hist = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(hist) == 3 and all(m["rollout/staleness_max"] <= 1 for m in hist)
@@ -211,14 +293,24 @@ def test_max_staleness_0_is_the_plain_sequential_loop_step_for_step(tmp_path, ti
     """train() at the default against the loop written out by hand: rollout, reward, advantage, update, in turn."""
     reward = tmp_path / "spread.py"
     reward.write_text(SPREAD)
-    common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=3", "prompts_per_step=2",
-              "num_generations=4", "max_tokens=8", "learning_rate=0.05", f"turn_reward_funcs=[{reward}:spread_for_some_keys]"]
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=3",
+        "prompts_per_step=2",
+        "num_generations=4",
+        "max_tokens=8",
+        "learning_rate=0.05",
+        f"turn_reward_funcs=[{reward}:spread_for_some_keys]",
+    ]
     hist = M.train(recipe_cfg(tmp_path / "a", *common))
     run = M.setup(recipe_cfg(tmp_path / "b", *common))
     by_hand = []
     for step in range(3):
         eps = run.env.rollout(run.batch(step), run.sampler, run.generator(step))
-        M.assign_advantages(eps, M.score(eps, run.turn_fns, run.turn_w), M.score(eps, run.outcome_fns, run.outcome_w), run.cfg)
+        M.assign_advantages(
+            eps, M.score(eps, run.turn_fns, run.turn_w), M.score(eps, run.outcome_fns, run.outcome_w), run.cfg
+        )
         samples, _ = M.trainable_samples(eps, run.cfg)
         m = M.train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, run.cfg, run.pad_id)
         by_hand.append({**m, **M.episode_metrics(eps)})
@@ -231,14 +323,31 @@ def test_max_staleness_0_is_the_plain_sequential_loop_step_for_step(tmp_path, ti
 
 def test_an_exception_in_one_ranks_producer_ends_every_rank(server, tmp_path, tiny_model_dir):
     from tests.test_distributed import torchrun
+
     bad = tmp_path / "bad_reward.py"
-    bad.write_text("import os\n\ncalls = []\n\ndef reward(completions, **kw):\n    calls.append(1)\n"
-                   "    if os.environ.get('RANK') == '1' and len(calls) == 3:\n"
-                   "        raise RuntimeError('reward exploded on rank 1 in the producer')\n"
-                   "    return [0.0] * len(completions)\n")
+    bad.write_text(
+        "import os\n\ncalls = []\n\ndef reward(completions, **kw):\n    calls.append(1)\n"
+        "    if os.environ.get('RANK') == '1' and len(calls) == 3:\n"
+        "        raise RuntimeError('reward exploded on rank 1 in the producer')\n"
+        "    return [0.0] * len(completions)\n"
+    )
     t = time.time()
-    r = torchrun(["mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"output_dir={tmp_path}/run",
-                  *server_args(server, tmp_path, tiny_model_dir, "max_steps=8", "max_staleness=1", "distributed_timeout=60",
-                               f"outcome_reward_funcs=[{bad}:reward]")], timeout=200)
+    r = torchrun(
+        [
+            "mt_grpo_trainer.py",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"output_dir={tmp_path}/run",
+            *server_args(
+                server,
+                tmp_path,
+                tiny_model_dir,
+                "max_steps=8",
+                "max_staleness=1",
+                "distributed_timeout=60",
+                f"outcome_reward_funcs=[{bad}:reward]",
+            ),
+        ],
+        timeout=200,
+    )
     assert r.returncode != 0 and "reward exploded on rank 1 in the producer" in r.stderr, r.stderr[-3000:]
     assert time.time() - t < 150, "the healthy rank must not wait out the collective timeout"

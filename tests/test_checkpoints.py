@@ -5,6 +5,7 @@ Resuming: a resumed run equals an unbroken one down to the weights; a changed op
 missing checkpoint is named; after a hard kill the run continues from the last checkpoint; a truncated, corrupt or
 incomplete checkpoint is skipped (auto) or named, also one saved before the manifest; a torn last log line is dropped.
 (LoRA checkpoints: test_lora.py; resuming with max_staleness: test_async.py.)"""
+
 import json
 import os
 import signal
@@ -23,20 +24,35 @@ from test_train import run_cfg
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, tmp_path, monkeypatch):
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=1",
-                     "prompts_per_step=2", "num_generations=2", "max_tokens=8")
+    cfg = recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=1",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+    )
     M.train(cfg)
     real_save = torch.save
 
-    def crash(obj, path, *a, **k):   # the model and tokenizer are written, the trainer state is not
+    def crash(obj, path, *a, **k):  # the model and tokenizer are written, the trainer state is not
         raise OSError("disk full")
+
     monkeypatch.setattr(torch, "save", crash)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(OSError, match="disk full"):
-        M.save_checkpoint(cfg, 2, model, AutoTokenizer.from_pretrained(tiny_model_dir), opt,
-                          torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1))
+        M.save_checkpoint(
+            cfg,
+            2,
+            model,
+            AutoTokenizer.from_pretrained(tiny_model_dir),
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1),
+        )
     monkeypatch.setattr(torch, "save", real_save)
     assert (tmp_path / "run" / "checkpoint-2.tmp").is_dir() and not (tmp_path / "run" / "checkpoint-2").exists()
     resumed = M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"])
@@ -44,30 +60,50 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, 
 
 
 def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):
-    common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=1", "prompts_per_step=2",
-              "num_generations=2", "max_tokens=8"]
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=1",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+    ]
     M.train(recipe_cfg(tmp_path, *common))
     M.train(recipe_cfg(tmp_path, *common, "seed=1"))
     runs = sorted(p.name for p in tmp_path.iterdir())
     assert runs[0] == "run" and len(runs) == 2 and runs[1].startswith("run.")
-    for name in runs:   # each folder holds one run: one metrics line, its own config
+    for name in runs:  # each folder holds one run: one metrics line, its own config
         assert len((tmp_path / name / "metrics.jsonl").read_text().splitlines()) == 1
     assert "seed: 1" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    common = [TOY, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={run}", "prompts_per_step=2",
-              "num_generations=2", "max_tokens=8", "save_steps=2", "eval_steps=0"]
-    first = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", *common, "max_steps=500"], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    common = [
+        TOY,
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={run}",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+        "save_steps=2",
+        "eval_steps=0",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, "mt_grpo_trainer.py", *common, "max_steps=500"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "checkpoint-2").is_dir():
         time.sleep(0.2)
     second = cli(*common, "max_steps=3", "seed=1")
     one_line_error(second, f"output_dir '{run}' is in use by the run with PID {first.pid}", "choose another output_dir")
     assert "seed: 0" in (run / "config.yaml").read_text(), "the second run touched nothing"
-    first.send_signal(signal.SIGKILL)                # a hard crash leaves its lock behind
+    first.send_signal(signal.SIGKILL)  # a hard crash leaves its lock behind
     first.wait(timeout=30)
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)), "one run's steps only"
@@ -81,20 +117,32 @@ def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken
 def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, tiny_model_dir):
     (tmp_path / "a_file").write_text("")
     r = cli(TOY, f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={tmp_path}/a_file/run")
-    one_line_error(r, f"cannot write the run folder '{tmp_path}/a_file/run'", "set output_dir to a folder you can write to")
+    one_line_error(
+        r, f"cannot write the run folder '{tmp_path}/a_file/run'", "set output_dir to a folder you can write to"
+    )
 
 
 def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny_model_dir, monkeypatch):
     """Every path the run writes later is made absolute at set-up: a relative output_dir stays where it was."""
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
     home.mkdir(), elsewhere.mkdir()
-    (tmp_path / "cd.py").write_text(f'import os\n\ndef lookup(key: str) -> str:\n    """Look up, then move away."""\n'
-                                    f'    os.chdir({str(elsewhere)!r})\n    return "v"\n')
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=2",
-                     f"tools=[{tmp_path}/cd.py:lookup]", "prompts_per_step=2", "num_generations=2", "log_episodes_steps=1")
+    (tmp_path / "cd.py").write_text(
+        f'import os\n\ndef lookup(key: str) -> str:\n    """Look up, then move away."""\n'
+        f'    os.chdir({str(elsewhere)!r})\n    return "v"\n'
+    )
+    cfg = recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=2",
+        f"tools=[{tmp_path}/cd.py:lookup]",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "log_episodes_steps=1",
+    )
     script = [tool_call("a"), "<answer>v</answer>"]
     monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, script))
-    monkeypatch.chdir(home)                          # restored at teardown
+    monkeypatch.chdir(home)  # restored at teardown
     cfg.output_dir = "run"
     history = M.train(cfg)
     assert os.getcwd() == str(elsewhere) and all(h["rollout/tool_calls"] > 0 for h in history), "the tool moved us"
@@ -108,20 +156,25 @@ def test_a_tool_that_changes_the_working_folder_moves_no_run_file(tmp_path, tiny
 
 def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
     full = M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", "save_steps=2"))
-    resumed = M.train(run_cfg(tmp_path, tiny_model_dir, "resumed", "max_steps=3",
-                              f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"))
+    resumed = M.train(
+        run_cfg(
+            tmp_path, tiny_model_dir, "resumed", "max_steps=3", f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"
+        )
+    )
     assert len(resumed) == 1 and resumed[0]["step"] == 3
-    assert full[1]["loss/grad_norm"] > 0                        # the run really updated the model
+    assert full[1]["loss/grad_norm"] > 0  # the run really updated the model
     for k in ("reward/turn", "loss/policy", "loss/grad_norm", "rollout/sampled_tokens"):
         assert resumed[0][k] == pytest.approx(full[2][k], rel=1e-5, abs=1e-7), k
     a = load_file(f"{tmp_path}/full/checkpoint-3/model.safetensors")
     b = load_file(f"{tmp_path}/resumed/checkpoint-3/model.safetensors")
     two = load_file(f"{tmp_path}/full/checkpoint-2/model.safetensors")
-    assert any(not torch.equal(a[k], two[k]) for k in a)      # step 3 changed the weights ...
-    for k in a:                                                # ... identically in both runs
+    assert any(not torch.equal(a[k], two[k]) for k in a)  # step 3 changed the weights ...
+    for k in a:  # ... identically in both runs
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     # resuming into the same folder redoes step 3: its log lines are replaced, not duplicated
-    M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"))
+    M.train(
+        run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=3", f"resume_from_checkpoint={tmp_path}/full/checkpoint-2")
+    )
     steps = [json.loads(line)["step"] for line in open(f"{tmp_path}/full/metrics.jsonl")]
     assert steps == [1, 2, 3]
     # auto: picks the newest complete checkpoint of output_dir; a finished run has nothing left to do
@@ -131,9 +184,20 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, tiny_model_dir):
 
 def test_resume_applies_a_changed_learning_rate_schedule_and_adamw_and_says_so(tmp_path, tiny_model_dir, capsys):
     """The recipe's values are the ones used (and the ones config.yaml records), not the checkpoint's run's."""
-    M.train(run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=2", "lr_scheduler=linear"))   # lr 0.01, down to 0 at step 2
-    cfg = run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=4", "lr_scheduler=linear", "learning_rate=0.02",
-                  "weight_decay=0.1", "adam_betas=[0.8,0.99]", "resume_from_checkpoint=auto")
+    M.train(
+        run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=2", "lr_scheduler=linear")
+    )  # lr 0.01, down to 0 at step 2
+    cfg = run_cfg(
+        tmp_path,
+        tiny_model_dir,
+        "run",
+        "max_steps=4",
+        "lr_scheduler=linear",
+        "learning_rate=0.02",
+        "weight_decay=0.1",
+        "adam_betas=[0.8,0.99]",
+        "resume_from_checkpoint=auto",
+    )
     run = M.setup(cfg)
     try:
         assert run.start == 2 and run.scheduler.base_lrs == [0.02]
@@ -144,8 +208,10 @@ def test_resume_applies_a_changed_learning_rate_schedule_and_adamw_and_says_so(t
     finally:
         run.rollouts.close()
         run.close([])
-    assert ("the recipe changes learning_rate 0.01 -> 0.02, max_steps 2 -> 4, weight_decay 0.0 -> 0.1, adam_betas "
-            "[0.9, 0.999] -> [0.8, 0.99]") in capsys.readouterr().out
+    assert (
+        "the recipe changes learning_rate 0.01 -> 0.02, max_steps 2 -> 4, weight_decay 0.0 -> 0.1, adam_betas "
+        "[0.9, 0.999] -> [0.8, 0.99]"
+    ) in capsys.readouterr().out
     hist = M.train(cfg)
     assert [h["loss/lr"] for h in hist] == pytest.approx([0.02 * (1 - 3 / 4), 0.0])
     assert M.load_config(f"{tmp_path}/run/config.yaml").learning_rate == 0.02
@@ -158,16 +224,29 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_
 
 def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    args = ["hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=",
-            f"output_dir={run}", "prompts_per_step=2", "num_generations=2", "max_tokens=8", "save_steps=2"]
-    p = subprocess.Popen([sys.executable, "mt_grpo_trainer.py", *args, "max_steps=500"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={run}",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+        "save_steps=2",
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "mt_grpo_trainer.py", *args, "max_steps=500"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "checkpoint-4").is_dir():
         time.sleep(0.2)
-    p.send_signal(signal.SIGKILL)   # no handler runs: a crash
+    p.send_signal(signal.SIGKILL)  # no handler runs: a crash
     p.wait(timeout=30)
-    done = sorted(int(d.name.split("-")[1]) for d in run.iterdir() if d.name.startswith("checkpoint-") and d.name[11:].isdigit())
+    done = sorted(
+        int(d.name.split("-")[1]) for d in run.iterdir() if d.name.startswith("checkpoint-") and d.name[11:].isdigit()
+    )
     last = done[-1]
     hist = M.train(M.load_config(args[0], args[1:] + [f"max_steps={last + 1}", "resume_from_checkpoint=auto"]))
     assert [h["step"] for h in hist] == [last + 1]
@@ -179,44 +258,72 @@ def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_
 def three_checkpoints(tiny_model_dir, tmp_path_factory):
     """A 3-step run that saved after every step and dumped every step's episodes, copied fresh by each test."""
     base = tmp_path_factory.mktemp("three")
-    M.train(recipe_cfg(base, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=3", "save_steps=1",
-                       "prompts_per_step=2", "num_generations=2", "max_tokens=8", "log_episodes_steps=1"))
+    M.train(
+        recipe_cfg(
+            base,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=3",
+            "save_steps=1",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=8",
+            "log_episodes_steps=1",
+        )
+    )
     return base / "run"
 
 
 def copied_run(three_checkpoints, tmp_path):
     import shutil
+
     shutil.copytree(three_checkpoints, tmp_path / "run")
     return tmp_path / "run"
 
 
 def resume_cfg(tmp_path, tiny_model_dir, ckpt="auto", *extra):
-    return recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "prompts_per_step=2",
-                      "num_generations=2", "max_tokens=8", "log_episodes_steps=1", f"resume_from_checkpoint={ckpt}", *extra)
+    return recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+        "log_episodes_steps=1",
+        f"resume_from_checkpoint={ckpt}",
+        *extra,
+    )
 
 
 def cut(path, n=100):
     os.truncate(path, os.path.getsize(path) - n)
 
 
-def test_auto_resume_falls_back_past_a_truncated_or_incomplete_checkpoint_and_says_why(three_checkpoints, tmp_path,
-                                                                                      tiny_model_dir, capsys):
+def test_auto_resume_falls_back_past_a_truncated_or_incomplete_checkpoint_and_says_why(
+    three_checkpoints, tmp_path, tiny_model_dir, capsys
+):
     run = copied_run(three_checkpoints, tmp_path)
-    cut(run / "checkpoint-3" / "model.safetensors")            # corrupt weights
-    cut(run / "checkpoint-2" / "trainer_state.pt")             # a truncated trainer state
+    cut(run / "checkpoint-3" / "model.safetensors")  # corrupt weights
+    cut(run / "checkpoint-2" / "trainer_state.pt")  # a truncated trainer state
     assert M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir)) == str(run / "checkpoint-1")
     out = capsys.readouterr().out
-    assert f"skipping {run}/checkpoint-3: model.safetensors" in out and f"skipping {run}/checkpoint-2: trainer_state.pt" in out
+    assert (
+        f"skipping {run}/checkpoint-3: model.safetensors" in out
+        and f"skipping {run}/checkpoint-2: trainer_state.pt" in out
+    )
     hist = M.train(resume_cfg(tmp_path, tiny_model_dir, "auto", "max_steps=2"))
     assert [h["step"] for h in hist] == [2] and "resumed from" in capsys.readouterr().out
-    (run / "checkpoint-1" / "tokenizer.json").unlink()         # a missing file: now none is usable
+    (run / "checkpoint-1" / "tokenizer.json").unlink()  # a missing file: now none is usable
     (run / "checkpoint-2" / "tokenizer.json").unlink()
-    with pytest.raises(M.ConfigError, match=r"no checkpoint in .* can be resumed.*checkpoint-2: tokenizer.json is missing"):
+    with pytest.raises(
+        M.ConfigError, match=r"no checkpoint in .* can be resumed.*checkpoint-2: tokenizer.json is missing"
+    ):
         M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir))
 
 
-def test_resuming_a_named_checkpoint_that_fails_verification_is_one_line_naming_the_file(three_checkpoints, tmp_path,
-                                                                                       tiny_model_dir):
+def test_resuming_a_named_checkpoint_that_fails_verification_is_one_line_naming_the_file(
+    three_checkpoints, tmp_path, tiny_model_dir
+):
     run = copied_run(three_checkpoints, tmp_path)
     cut(run / "checkpoint-3" / "model.safetensors")
     (run / "checkpoint-2" / "tokenizer.json").unlink()
@@ -226,8 +333,9 @@ def test_resuming_a_named_checkpoint_that_fails_verification_is_one_line_naming_
         assert "\n" not in str(e.value)
 
 
-def test_a_checkpoint_without_a_manifest_still_resumes_and_is_still_checked(three_checkpoints, tmp_path, tiny_model_dir,
-                                                                           capsys):
+def test_a_checkpoint_without_a_manifest_still_resumes_and_is_still_checked(
+    three_checkpoints, tmp_path, tiny_model_dir, capsys
+):
     """Checkpoints saved before the manifest: what can be checked without it (the weights and the trainer state open)."""
     run = copied_run(three_checkpoints, tmp_path)
     for d in ("checkpoint-1", "checkpoint-2", "checkpoint-3"):
@@ -237,7 +345,9 @@ def test_a_checkpoint_without_a_manifest_still_resumes_and_is_still_checked(thre
     cut(run / "checkpoint-2" / "trainer_state.pt")
     assert M.find_checkpoint(resume_cfg(tmp_path, tiny_model_dir)) == str(run / "checkpoint-1")
     out = capsys.readouterr().out
-    assert "checkpoint-3: model.safetensors does not load" in out and "checkpoint-2: trainer_state.pt does not load" in out
+    assert (
+        "checkpoint-3: model.safetensors does not load" in out and "checkpoint-2: trainer_state.pt does not load" in out
+    )
     hist = M.train(resume_cfg(tmp_path, tiny_model_dir, "auto", "max_steps=2"))
     assert [h["step"] for h in hist] == [2]
 
@@ -253,5 +363,6 @@ def test_a_torn_last_log_line_is_dropped_on_resume_and_said(three_checkpoints, t
     out = capsys.readouterr().out
     assert "metrics.jsonl ends in a torn line" in out and "episodes.jsonl ends in a torn line" in out
     import json
+
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert {json.loads(x)["step"] for x in (run / "episodes.jsonl").read_text().splitlines()} == {1, 2, 3, 4}

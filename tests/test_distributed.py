@@ -1,5 +1,6 @@
 """torchrun on CPU with 2 gloo ranks: the same update as one process (also with KL, sequence_mean and gradient
 clipping), end-to-end training, and a failing rank that stops every rank."""
+
 import os
 import subprocess
 import sys
@@ -15,44 +16,84 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(args, timeout=240, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(M.free_port()), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(M.free_port()),
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def assert_same_update(two: dict, one_sd: dict, one_m: dict, model_dir: str, lora: bool = False):
     """2 ranks' weights and loss equal one process's, and the update moved the weights (or it proves nothing)."""
     from transformers import AutoModelForCausalLM
+
     before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == lora for k in one_sd), \
+    assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == lora for k in one_sd), (
         "LoRA: the adapters' tensors alone, from every layout"
+    )
     moved = 0.0
     for k, v in one_sd.items():
         torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-        moved = max(moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k))
+        moved = max(
+            moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k)
+        )
     assert moved > 1e-3, "the update did nothing, so the comparison proves nothing"
     assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("layout,budget", [("ddp", 0), ("ddp", 90), ("fsdp", 0), ("fsdp", 90), ("fsdp+checkpointing", 90),
-                                           ("ddp+lora", 0), ("fsdp+lora+checkpointing", 90)])
+@pytest.mark.parametrize(
+    "layout,budget",
+    [
+        ("ddp", 0),
+        ("ddp", 90),
+        ("fsdp", 0),
+        ("fsdp", 90),
+        ("fsdp+checkpointing", 90),
+        ("ddp+lora", 0),
+        ("fsdp+lora+checkpointing", 90),
+    ],
+)
 def test_two_ranks_give_the_update_of_one(tiny_model_dir, tmp_path, layout, budget):
     lora = ["lora_rank=4", "lora_target_modules=[q_proj,up_proj]"] if "lora" in layout else []
-    overrides = [f"fsdp={'true' if layout.startswith('fsdp') else 'false'}", f"max_tokens_per_microbatch={budget}",
-                 "micro_batch_size=3", f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}", *lora]
+    overrides = [
+        f"fsdp={'true' if layout.startswith('fsdp') else 'false'}",
+        f"max_tokens_per_microbatch={budget}",
+        "micro_batch_size=3",
+        f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}",
+        *lora,
+    ]
     r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *overrides])
     assert r.returncode == 0, r.stderr[-3000:]
     [two] = torch.load(tmp_path / "two.pt")
-    one_sd, one_m = update(tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora])
+    one_sd, one_m = update(
+        tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora]
+    )
     assert_same_update(two, one_sd, one_m, tiny_model_dir, bool(lora))
 
 
 # What the cross-rank sums must get right besides the policy term: the KL (beta > 0, with a second iteration so that
 # the policy has left the reference), sequence_mean's episode count (episode 0, on rank 0, has two samples), and
 # gradient clipping (max_grad_norm below the batch's gradient norm, about 0.06).
-VARIANTS = {"kl": ["beta=1.0", "num_iterations=2"], "sequence_mean": ["loss_aggregation=sequence_mean"],
-            "clipped": ["max_grad_norm=0.02"]}
+VARIANTS = {
+    "kl": ["beta=1.0", "num_iterations=2"],
+    "sequence_mean": ["loss_aggregation=sequence_mean"],
+    "clipped": ["max_grad_norm=0.02"],
+}
 
 
 def test_two_ranks_give_the_update_of_one_with_kl_sequence_mean_and_clipping(tiny_model_dir, tmp_path):
@@ -94,9 +135,21 @@ def test_token_budget_buckets_by_length_and_reports_padding():
 
 
 def _recipe_args(tiny_model_dir, run_dir, *extra):
-    return ["mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-            "model_builder=", f"output_dir={run_dir}", "max_steps=2", "prompts_per_step=2", "num_generations=2",
-            "max_tokens=16", "log_episodes_steps=1", "save_steps=1", "max_tokens_per_microbatch=256", *extra]
+    return [
+        "mt_grpo_trainer.py",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={run_dir}",
+        "max_steps=2",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=16",
+        "log_episodes_steps=1",
+        "save_steps=1",
+        "max_tokens_per_microbatch=256",
+        *extra,
+    ]
 
 
 def test_torchrun_trains_end_to_end_with_rank0_logging(tiny_model_dir, tmp_path):
@@ -113,12 +166,18 @@ def test_torchrun_trains_end_to_end_with_rank0_logging(tiny_model_dir, tmp_path)
 
 def test_an_exception_on_one_rank_ends_every_rank(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad_reward.py"
-    bad.write_text("import os\n\ndef reward(completions, **kw):\n"
-                   "    if os.environ.get('RANK') == '1':\n        raise RuntimeError('reward exploded on rank 1')\n"
-                   "    return [0.0] * len(completions)\n")
+    bad.write_text(
+        "import os\n\ndef reward(completions, **kw):\n"
+        "    if os.environ.get('RANK') == '1':\n        raise RuntimeError('reward exploded on rank 1')\n"
+        "    return [0.0] * len(completions)\n"
+    )
     t = time.time()
-    r = torchrun(_recipe_args(tiny_model_dir, tmp_path / "run", f"outcome_reward_funcs=[{bad}:reward]",
-                              "distributed_timeout=60"), timeout=200)
+    r = torchrun(
+        _recipe_args(
+            tiny_model_dir, tmp_path / "run", f"outcome_reward_funcs=[{bad}:reward]", "distributed_timeout=60"
+        ),
+        timeout=200,
+    )
     assert r.returncode != 0
     assert "reward exploded on rank 1" in r.stderr
     assert time.time() - t < 150, "the healthy rank must not wait out the collective timeout"

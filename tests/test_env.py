@@ -1,6 +1,7 @@
 """MultiTurnToolEnv: masks come from sampled ids (I1), lists stay aligned (I2), non-sampled tokens are
 masked (I3), samples extend or fork (I4), and failures become counted outcomes (I6): tool
 calls that are malformed, cut, raise, hang, flood or return what is not text, empty generations, truncation."""
+
 import json
 import sys
 import time
@@ -19,7 +20,8 @@ def char_ids(tok, text):
 
 class ScriptedSampler:
     """Returns scripted turns as non-canonical token ids with made-up logprobs; records every prompt."""
-    policy_version = None   # as the in-process sampler: nothing to sync
+
+    policy_version = None  # as the in-process sampler: nothing to sync
 
     def __init__(self, tok, script, finish=None):
         self.tok, self.script, self.finish = tok, script, finish or {}
@@ -40,7 +42,7 @@ class ScriptedSampler:
 
 
 def tool_call(key):
-    return f'<reasoning>look</reasoning>\n<tool>{json.dumps({"name": "lookup", "args": {"key": key}})}</tool>'
+    return f"<reasoning>look</reasoning>\n<tool>{json.dumps({'name': 'lookup', 'args': {'key': key}})}</tool>"
 
 
 def make_env(tok, tmp_path, *overrides):
@@ -54,21 +56,22 @@ def test_sampled_ids_are_trained_verbatim_and_everything_else_is_masked(tok, tmp
     sampler = ScriptedSampler(tok, script)
     [ep] = env.rollout([{"prompt": "What is the value of golf?", "answer": TABLE["golf"]}], sampler)
     assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tool_errors == 0
-    assert len(ep.samples) == 1 and ep.forks == 0           # ChatML appends: one sample (I4)
+    assert len(ep.samples) == 1 and ep.forks == 0  # ChatML appends: one sample (I4)
     s = ep.samples[0]
     n = len(s.input_ids)
-    assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n      # I2
+    assert len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == n  # I2
     # I1: each turn's sampled ids sit right after exactly the prompt the sampler was given.
     for prompt, sent in zip(sampler.prompts, sampler.sent):
-        assert s.input_ids[:len(prompt)] == prompt
-        assert s.input_ids[len(prompt):len(prompt) + len(sent)] == sent
-        assert s.loss_mask[len(prompt):len(prompt) + len(sent)] == [1] * len(sent)
+        assert s.input_ids[: len(prompt)] == prompt
+        assert s.input_ids[len(prompt) : len(prompt) + len(sent)] == sent
+        assert s.loss_mask[len(prompt) : len(prompt) + len(sent)] == [1] * len(sent)
     # The ids are the non-canonical ones, not a re-encoding of their text.
     assert tok.encode(script[0], add_special_tokens=False) != sampler.sent[0]
     trained = [i for i, m in zip(s.input_ids, s.loss_mask) if m]
     assert trained == sampler.sent[0] + sampler.sent[1]
-    assert [lp for lp, m in zip(s.sampler_logprobs, s.loss_mask) if m] == \
-        [-0.01 * (j + 1) for j in range(len(sampler.sent[0]))] + [-0.01 * (j + 1) for j in range(len(sampler.sent[1]))]
+    assert [lp for lp, m in zip(s.sampler_logprobs, s.loss_mask) if m] == [
+        -0.01 * (j + 1) for j in range(len(sampler.sent[0]))
+    ] + [-0.01 * (j + 1) for j in range(len(sampler.sent[1]))]
     # I3: prompt, template and tool-result tokens are all mask 0.
     masked_text = tok.decode([i for i, m in zip(s.input_ids, s.loss_mask) if not m])
     assert f"<result>\n{TABLE['golf']}\n</result>" in masked_text and "<|im_start|>user" in masked_text
@@ -83,10 +86,12 @@ def test_template_that_rewrites_history_forks_a_new_sample(tok, tmp_path):
     """A template that drops past <reasoning> blocks breaks extension: the sample is closed and the next
     one starts from exactly the tokens the sampler sees next (I4)."""
     env = make_env(tok, tmp_path)
-    strip = ("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and loop.index0 < messages|length - 2 %}"
-             "{% set c = c.split('</reasoning>')[-1] %}{% endif %}"
-             "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
-             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    strip = (
+        "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and loop.index0 < messages|length - 2 %}"
+        "{% set c = c.split('</reasoning>')[-1] %}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
     old = tok.chat_template
     tok.chat_template = strip
     try:
@@ -97,8 +102,9 @@ def test_template_that_rewrites_history_forks_a_new_sample(tok, tmp_path):
         # Every prompt was the template's rendering at its turn, so the rewrite is a fork, not a mismatch: the
         # tokenization check passes under strict.
         env.cfg.tokenization_check = "strict"
-        [strict] = M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout([{"prompt": "q"}],
-                                                                                 ScriptedSampler(tok, script))
+        [strict] = M.MultiTurnToolEnv(tok, env.tools.values(), env.cfg).rollout(
+            [{"prompt": "q"}], ScriptedSampler(tok, script)
+        )
         assert strict.tokenization_mismatches == 0 and strict.forks == 1
     finally:
         tok.chat_template = old
@@ -106,7 +112,7 @@ def test_template_that_rewrites_history_forks_a_new_sample(tok, tmp_path):
     # turn 1 -> turn 2: turn 0's reasoning is now dropped, so the sample forks.
     assert ep.forks == 1 and len(ep.samples) == 2
     second = ep.samples[1]
-    assert second.input_ids[:len(sampler.prompts[2])] == sampler.prompts[2]
+    assert second.input_ids[: len(sampler.prompts[2])] == sampler.prompts[2]
     assert [i for i, m in zip(second.input_ids, second.loss_mask) if m] == sampler.sent[2]
     first = ep.samples[0]
     assert [i for i, m in zip(first.input_ids, first.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
@@ -126,10 +132,16 @@ def test_an_empty_generation_ends_the_episode_with_a_flag(tok, tmp_path):
     assert M.rollout_metrics([ep])["rollout/empty"] == 1.0
 
 
-@pytest.mark.parametrize("payload,err", [
-    ("{not json", "JSONDecodeError"), ('{"args": {}}', 'expected {"name"'),
-    ('{"name": "nope", "args": {}}', "unknown tool 'nope'"), ('{"name": "lookup", "args": {"k": 1}}', "TypeError"),
-    ('{"name": "lookup", "args": {"key": "zulu"}}', "unknown key 'zulu'")])
+@pytest.mark.parametrize(
+    "payload,err",
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"args": {}}', 'expected {"name"'),
+        ('{"name": "nope", "args": {}}', "unknown tool 'nope'"),
+        ('{"name": "lookup", "args": {"k": 1}}', "TypeError"),
+        ('{"name": "lookup", "args": {"key": "zulu"}}', "unknown key 'zulu'"),
+    ],
+)
 def test_malformed_tool_calls_become_counted_error_results(tok, tmp_path, payload, err):
     env = make_env(tok, tmp_path, "max_env_steps=1")
     [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [f"<tool>{payload}</tool>", "<answer>a</answer>"]))
@@ -141,9 +153,12 @@ def test_a_tool_that_raises_becomes_a_counted_error_result(tok, tmp_path):
     def broken(key: str) -> str:
         """Always fails."""
         raise ConnectionError("index server down")
+
     env = M.MultiTurnToolEnv(tok, [broken], recipe_cfg(tmp_path, "max_env_steps=1"))
-    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "broken", "args": {"key": "a"}}</tool>',
-                                                                "<answer>a</answer>"]))
+    [ep] = env.rollout(
+        [{"prompt": "q"}],
+        ScriptedSampler(tok, ['<tool>{"name": "broken", "args": {"key": "a"}}</tool>', "<answer>a</answer>"]),
+    )
     assert ep.tool_errors == 1 and "Error: ConnectionError: index server down" in ep.completion[1]["content"]
 
 
@@ -173,7 +188,7 @@ def test_any_tool_result_reaches_the_model_as_text_and_its_faults_are_counted(to
     results = {}
     for name in ("surrogate", "exits", "interrupts", "nothing", "number"):
         [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, [call % name, "<answer>a</answer>"]))
-        assert ep.end_reason == "answer", name     # the episode, and the run, go on
+        assert ep.end_reason == "answer", name  # the episode, and the run, go on
         results[name] = (ep.completion[1]["content"], ep.tool_errors, ep.tool_output_replaced)
     assert results["surrogate"] == ("<result>\nvalue ? here\n</result>", 0, 1)
     assert results["exits"] == ("<result>\nError: SystemExit: 3\n</result>", 1, 0)
@@ -187,10 +202,14 @@ def test_a_huge_tool_output_is_cut_before_tokenization(tok, tmp_path):
     def flood(key: str) -> str:
         """Returns a megabyte."""
         return "x" * 1_000_000
-    env = M.MultiTurnToolEnv(tok, [flood], recipe_cfg(tmp_path, "max_env_steps=1", "tool_output_max_chars=200",
-                                                      "max_seq_len=4096"))
-    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "flood", "args": {"key": "a"}}</tool>',
-                                                                "<answer>a</answer>"]))
+
+    env = M.MultiTurnToolEnv(
+        tok, [flood], recipe_cfg(tmp_path, "max_env_steps=1", "tool_output_max_chars=200", "max_seq_len=4096")
+    )
+    [ep] = env.rollout(
+        [{"prompt": "q"}],
+        ScriptedSampler(tok, ['<tool>{"name": "flood", "args": {"key": "a"}}</tool>', "<answer>a</answer>"]),
+    )
     result = ep.completion[1]["content"]
     assert "[cut: 999800 more characters]" in result and len(result) < 300
     assert ep.end_reason == "answer" and len(ep.samples[-1].input_ids) < 1000
@@ -224,11 +243,13 @@ def test_no_room_after_a_tool_result_rolls_the_prompt_back(tok, tmp_path):
     env = make_env(tok, tmp_path, "tokenization_check=strict")
     first = env.next_prompt(env.new_episode({"prompt": "What is the value of golf?"}))
     call = tool_call("golf")
-    env = make_env(tok, tmp_path, "tokenization_check=strict", f"max_seq_len={len(first) + len(char_ids(tok, call)) + 3}")
+    env = make_env(
+        tok, tmp_path, "tokenization_check=strict", f"max_seq_len={len(first) + len(char_ids(tok, call)) + 3}"
+    )
     [ep] = env.rollout([{"prompt": "What is the value of golf?"}], ScriptedSampler(tok, [call]))
     assert ep.end_reason == "context" and ep.tool_calls == 1 and len(ep.samples) == 1
     s = ep.samples[0]
-    assert len(s.input_ids) <= env.cfg.max_seq_len and s.loss_mask[-1] == 1     # ends with the sampled call
+    assert len(s.input_ids) <= env.cfg.max_seq_len and s.loss_mask[-1] == 1  # ends with the sampled call
 
 
 def test_a_hanging_tool_is_cut_off_at_tool_timeout(tok, tmp_path):
@@ -238,11 +259,14 @@ def test_a_hanging_tool_is_cut_off_at_tool_timeout(tok, tmp_path):
         """Never answers in time."""
         time.sleep(3)
         return "late"
+
     cfg = recipe_cfg(tmp_path, "tool_timeout=0.2", "max_env_steps=1")
     env = M.MultiTurnToolEnv(tok, [slow], cfg)
     t0 = time.time()
-    [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ['<tool>{"name": "slow", "args": {"key": "a"}}</tool>',
-                                                                "<answer>a</answer>"]))
+    [ep] = env.rollout(
+        [{"prompt": "q"}],
+        ScriptedSampler(tok, ['<tool>{"name": "slow", "args": {"key": "a"}}</tool>', "<answer>a</answer>"]),
+    )
     assert time.time() - t0 < 2
     assert ep.tool_errors == 1 and "did not finish within tool_timeout=0.2s" in ep.completion[1]["content"]
 
@@ -253,9 +277,10 @@ def test_a_turns_tool_calls_run_at_once_and_a_hung_tool_never_blocks_the_exit(to
     import subprocess
     import sys
     import textwrap
+
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path[:0] = [{M.__file__.rsplit('/', 1)[0]!r}, {M.__file__.rsplit('/', 1)[0] + '/tests'!r}]
+        sys.path[:0] = [{M.__file__.rsplit("/", 1)[0]!r}, {M.__file__.rsplit("/", 1)[0] + "/tests"!r}]
         import mt_grpo_trainer as M
         from tests.conftest import toy_tokenizer
         from tests.test_env import char_ids
@@ -278,7 +303,9 @@ def test_a_turns_tool_calls_run_at_once_and_a_hung_tool_never_blocks_the_exit(to
         assert all(e.tool_errors == 1 and 'tool_timeout=0.5s' in e.completion[1]['content'] for e in eps)
         print('ok')
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=M.__file__.rsplit("/", 1)[0])
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=M.__file__.rsplit("/", 1)[0]
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
     assert float(r.stdout.split("turn seconds")[1].split()[0]) < 3
 
@@ -297,14 +324,15 @@ def test_a_128_turn_tool_episode_stays_one_sample_of_linear_size(tok, tmp_path):
     s = ep.samples[0]
     assert len(s.input_ids) == len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions)
     for prompt, sent in zip(sampler.prompts, sampler.sent):
-        assert s.input_ids[:len(prompt)] == prompt and s.input_ids[len(prompt):len(prompt) + len(sent)] == sent
+        assert s.input_ids[: len(prompt)] == prompt and s.input_ids[len(prompt) : len(prompt) + len(sent)] == sent
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == [i for ids in sampler.sent for i in ids]
-    per_turn = sum(t.prompt_len + t.sampled_len for t in ep.turns)   # what one sample per turn would hold
+    per_turn = sum(t.prompt_len + t.sampled_len for t in ep.turns)  # what one sample per turn would hold
     assert len(s.input_ids) == len(sampler.prompts[-1]) + len(sampler.sent[-1]) and per_turn > 50 * len(s.input_ids)
 
 
 def test_tool_timeout_counts_from_when_a_worker_takes_the_call_not_from_the_queue():
     """128 calls of 0.3 s against 32 workers take four rounds (~1.2 s), past tool_timeout=1.0: none may time out."""
+
     def nap(x: str) -> str:
         """Sleeps 0.3 s."""
         time.sleep(0.3)

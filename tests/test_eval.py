@@ -1,5 +1,6 @@
 """The eval command (greedy episodes, its table and files) and evaluation during training every eval_steps.
 (Reward functions checked before any model work: test_rewards.py.)"""
+
 import json
 
 import pytest
@@ -9,8 +10,17 @@ from tests.conftest import recipe_cfg
 
 
 def test_eval_command_runs_greedy_episodes_and_writes_the_table(tiny_model_dir, tmp_path, capsys):
-    M.main(["eval", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=",
-            f"output_dir={tmp_path}/run", "eval_max_examples=6", "max_tokens=12"])
+    M.main(
+        [
+            "eval",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            f"output_dir={tmp_path}/run",
+            "eval_max_examples=6",
+            "max_tokens=12",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| exact_answer_reward |" in out and "| lookup_hit_reward |" in out
     rows = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "step-0.jsonl")]
@@ -19,22 +29,49 @@ def test_eval_command_runs_greedy_episodes_and_writes_the_table(tiny_model_dir, 
     summary = json.loads(open(tmp_path / "run" / "eval" / "metrics.jsonl").readline())
     assert summary["model"] == tiny_model_dir and 0 <= summary["eval/exact_answer_reward"] <= 1
     # greedy: the same model gives the same episodes again
-    M.main(["eval", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=",
-            f"output_dir={tmp_path}/run", "eval_max_examples=6", "max_tokens=12"])
+    M.main(
+        [
+            "eval",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            f"output_dir={tmp_path}/run",
+            "eval_max_examples=6",
+            "max_tokens=12",
+        ]
+    )
     again = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "step-0.jsonl")]
     assert [r["messages"] for r in again] == [r["messages"] for r in rows]
 
 
 def test_eval_without_an_eval_dataset_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        M.main(["eval", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-                "model_builder=", f"output_dir={tmp_path}/run", "eval_dataset="])
+        M.main(
+            [
+                "eval",
+                "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+                f"model_name_or_path={tiny_model_dir}",
+                "model_builder=",
+                f"output_dir={tmp_path}/run",
+                "eval_dataset=",
+            ]
+        )
     assert "eval needs eval_dataset" in capsys.readouterr().err
 
 
 def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
-    hist = M.train(recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=2",
-                              "eval_steps=2", "eval_max_examples=4", "prompts_per_step=2", "num_generations=2",
-                              "max_tokens=12"))
+    hist = M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=2",
+            "eval_steps=2",
+            "eval_max_examples=4",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+        )
+    )
     assert "eval/exact_answer_reward" not in hist[0] and "eval/exact_answer_reward" in hist[1]
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()

@@ -1,6 +1,7 @@
 """Extension points are one place each: an advantage mode, a loss aggregation and a tool format are
 registered from outside the file, accepted by the config, and used by a real training step; a sampler is one class
 behind the written interface (section C) and the line in setup() that picks it."""
+
 import copy
 import json
 
@@ -27,6 +28,7 @@ def sum_over_tokens(per_token, mask, seq_tokens, num_tokens, num_seqs):
 class CopySampler(M.LocalSampler):
     """A made-up sampler with weights of its own, as a server has: the in-process decode loop on a copy of the policy,
     which sync_weights loads the trainer's weights into and probe_logprobs scores the probe with."""
+
     policy_version = 0
 
     def __init__(self, model, tok):
@@ -67,8 +69,17 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
     monkeypatch.setitem(M.LOSS_AGGREGATIONS, "sum_over_tokens", sum_over_tokens)
     with pytest.raises(M.ConfigError, match="one of mt_grpo, grpo_outcome, grpo_merged, positive_only"):
         run_cfg(tmp_path, tiny_model_dir, "x", "advantage_mode=nope")
-    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "ext", "max_steps=1", "log_episodes_steps=1",
-                           "advantage_mode=positive_only", "loss_aggregation=sum_over_tokens"))
+    hist = M.train(
+        run_cfg(
+            tmp_path,
+            tiny_model_dir,
+            "ext",
+            "max_steps=1",
+            "log_episodes_steps=1",
+            "advantage_mode=positive_only",
+            "loss_aggregation=sum_over_tokens",
+        )
+    )
     assert len(calls) == 2, "called once per GRPO group (prompts_per_step=2)"
     assert hist[0]["loss/grad_norm"] > 0
     recs = [json.loads(x) for x in open(tmp_path / "ext" / "episodes.jsonl")]
@@ -80,6 +91,7 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
 class BracketTools:
     """A made-up protocol, written from the interface above TOOL_FORMATS alone: [call] name key=value [/call] and
     [answer] ... [/answer]; a result comes back as a user message [[result]] ... [[/result]], not XML's <result>."""
+
     args_key, stop = "args", ("[/call]", "[/answer]")
 
     def __init__(self, tools):
@@ -101,7 +113,7 @@ class BracketTools:
     def is_answer(self, text):
         return "[answer]" in text
 
-    def call_text(self, query):   # check-template's scripted turns
+    def call_text(self, query):  # check-template's scripted turns
         return f"[call] _sim_search query={query} [/call]"
 
     def answer_text(self, answer):
@@ -116,6 +128,7 @@ def test_a_registered_tool_format_owns_what_its_results_look_like(tok, tmp_path,
     sample), the bridge builds those prompts, and thinking_retention=tool_cycle sees the tool cycle."""
     import check_template as CT
     from tools.kv_lookup import TABLE, lookup
+
     monkeypatch.setitem(M.TOOL_FORMATS, "bracket", BracketTools)
     cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}", "tool_format=bracket"])
     env = M.MultiTurnToolEnv(tok, [lookup], cfg)
@@ -137,8 +150,12 @@ def test_a_registered_tool_format_trains_a_step(tmp_path, tiny_model_dir, monkey
     monkeypatch.setitem(M.TOOL_FORMATS, "bracket", BracketTools)
     monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, CALLS + ["[answer]v[/answer]"]))
     bridged, bridge = [], M.MultiTurnToolEnv.bridge
-    monkeypatch.setattr(M.MultiTurnToolEnv, "bridge", lambda env, ep, s: bridged.append(bridge(env, ep, s)) or bridged[-1])
-    hist = M.train(run_cfg(tmp_path, tiny_model_dir, "fmt", "max_steps=1", "log_episodes_steps=1", "tool_format=bracket"))
+    monkeypatch.setattr(
+        M.MultiTurnToolEnv, "bridge", lambda env, ep, s: bridged.append(bridge(env, ep, s)) or bridged[-1]
+    )
+    hist = M.train(
+        run_cfg(tmp_path, tiny_model_dir, "fmt", "max_steps=1", "log_episodes_steps=1", "tool_format=bracket")
+    )
     assert hist[0]["rollout/tool_calls"] > 0 and hist[0]["rollout/samples_per_episode"] == 1
     recs = [json.loads(x) for x in open(tmp_path / "fmt" / "episodes.jsonl")]
     assert {b["kind"] for r in recs for b in r["boundaries"]} == {"tool"}

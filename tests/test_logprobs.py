@@ -1,5 +1,6 @@
 """token_logprobs in float32 chunks against the direct full log-softmax: values, gradients, the GRPO loss, and
 what autograd keeps for backward."""
+
 import copy
 
 import pytest
@@ -20,9 +21,19 @@ def direct_logprobs(model, ids, attn, temperature):
 
 def small_llama(dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).to(dtype)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=503,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    ).to(dtype)
 
 
 def padded_batch(lengths, T, vocab):
@@ -34,10 +45,10 @@ def padded_batch(lengths, T, vocab):
 
 @pytest.mark.parametrize("temperature", [0.7, 0.0])
 def test_chunked_logprobs_and_gradients_equal_the_direct_log_softmax(monkeypatch, temperature):
-    monkeypatch.setattr(M, "LOGPROB_CHUNK", 20 * 503)           # 3 x 37 tokens: 6 chunks, across rows, the last one short
+    monkeypatch.setattr(M, "LOGPROB_CHUNK", 20 * 503)  # 3 x 37 tokens: 6 chunks, across rows, the last one short
     model = small_llama()
     ids, attn = padded_batch([37, 25, 9], 37, 503)
-    weights = torch.randn(3, 37, generator=torch.Generator().manual_seed(2)) * attn   # a loss over real tokens only
+    weights = torch.randn(3, 37, generator=torch.Generator().manual_seed(2)) * attn  # a loss over real tokens only
     got, want = (f(model, ids, attn, temperature) for f in (M.token_logprobs, direct_logprobs))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[:, 0] == 0).all()
@@ -52,24 +63,34 @@ def test_chunked_logprobs_and_gradients_equal_the_direct_log_softmax(monkeypatch
 
 def test_grpo_step_is_unchanged(monkeypatch, tiny, tmp_path):
     """train_on_samples with beta > 0 and two iterations (reference and old logprobs too): same metrics, same update."""
-    from conftest import recipe_cfg   # here, so that the bench can import this module's direct_logprobs
+    from conftest import recipe_cfg  # here, so that the bench can import this module's direct_logprobs
     from test_loss import random_samples
+
     model, tok = tiny
-    monkeypatch.setattr(M, "LOGPROB_CHUNK", 1)   # one token per chunk
+    monkeypatch.setattr(M, "LOGPROB_CHUNK", 1)  # one token per chunk
     samples = random_samples(tok, 5, seed=3)
-    cfg = recipe_cfg(tmp_path, "micro_batch_size=2", "beta=0.1", "num_iterations=2", "temperature=0.8", "learning_rate=1.0")
+    cfg = recipe_cfg(
+        tmp_path, "micro_batch_size=2", "beta=0.1", "num_iterations=2", "temperature=0.8", "learning_rate=1.0"
+    )
     out = []
     for fn in (M.token_logprobs, direct_logprobs):
         monkeypatch.setattr(M, "token_logprobs", fn)
         m = copy.deepcopy(model)
-        opt = torch.optim.SGD(m.parameters(), lr=cfg.learning_rate)   # Adam would magnify float noise in tiny gradients
-        metrics = M.train_on_samples(m, copy.deepcopy(model), opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                                     samples, cfg, tok.pad_token_id)
+        opt = torch.optim.SGD(m.parameters(), lr=cfg.learning_rate)  # Adam would magnify float noise in tiny gradients
+        metrics = M.train_on_samples(
+            m,
+            copy.deepcopy(model),
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            samples,
+            cfg,
+            tok.pad_token_id,
+        )
         out.append((metrics, torch.cat([p.detach().flatten() for p in m.parameters()])))
     (lean, lean_w), (direct, direct_w) = out
     for k in ("loss/policy", "loss/kl", "loss/ratio", "loss/grad_norm"):
         assert lean[k] == pytest.approx(direct[k], rel=1e-4, abs=1e-7), k
-    assert direct["loss/kl"] > 0 and abs(direct["loss/ratio"] - 1) > 1e-3   # the second iteration scores a moved policy
+    assert direct["loss/kl"] > 0 and abs(direct["loss/ratio"] - 1) > 1e-3  # the second iteration scores a moved policy
     torch.testing.assert_close(lean_w, direct_w, rtol=1e-4, atol=1e-6)
 
 
@@ -79,15 +100,17 @@ def test_no_full_float32_log_softmax_is_kept_for_backward(monkeypatch):
     model = small_llama(torch.bfloat16)
     ids, attn = padded_batch([33, 20], 33, 503)
     saved = []
+
     def pack(t):
         saved.append((t.dtype, t.numel()))
         return t
+
     for fn in (M.token_logprobs, direct_logprobs):
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             fn(model, ids, attn, 0.7).sum().backward()
         biggest = max((n for dtype, n in saved if dtype == torch.float32), default=0)
         if fn is direct_logprobs:
-            assert biggest >= 2 * 32 * 503                       # the check sees the direct version's tensor
+            assert biggest >= 2 * 32 * 503  # the check sees the direct version's tensor
         else:
             assert biggest <= 8 * 503

@@ -1,5 +1,6 @@
 """LoRA through peft: only the adapters train and are saved, the reference is the base model with the adapters off,
 a resumed LoRA run matches an uninterrupted one, and `merge-lora` writes one model that scores as base + adapter."""
+
 import os
 import subprocess
 import sys
@@ -26,8 +27,16 @@ def test_lora_trains_and_saves_only_the_adapter_and_resumes_exactly(tmp_path, ti
     assert any(not torch.equal(two[k], three[k]) for k in two), "step 3 moved the adapter"
     state = torch.load(f"{tmp_path}/full/checkpoint-2/trainer_state.pt", weights_only=False)
     assert len(state["optimizer"]["state"]) == len(two), "AdamW holds the adapter's parameters and nothing else"
-    resumed = M.train(run_cfg(tmp_path, tiny_model_dir, "resumed", "max_steps=3",
-                              f"resume_from_checkpoint={tmp_path}/full/checkpoint-2", *LORA))
+    resumed = M.train(
+        run_cfg(
+            tmp_path,
+            tiny_model_dir,
+            "resumed",
+            "max_steps=3",
+            f"resume_from_checkpoint={tmp_path}/full/checkpoint-2",
+            *LORA,
+        )
+    )
     for k in ("reward/turn", "loss/policy", "loss/grad_norm", "rollout/sampled_tokens"):
         assert resumed[0][k] == pytest.approx(full[2][k], rel=1e-5, abs=1e-7), k
     again = load_file(f"{tmp_path}/resumed/checkpoint-3/adapter_model.safetensors")
@@ -38,13 +47,15 @@ def test_lora_trains_and_saves_only_the_adapter_and_resumes_exactly(tmp_path, ti
 def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path, tiny_model_dir):
     cfg = run_cfg(tmp_path, tiny_model_dir, "ref", "beta=0.1", "num_iterations=2", *LORA)
     tok, model, ref, policy, opt, _ = M.load_models(cfg, cfg.model_name_or_path, torch.device("cpu"))
-    assert ref is model and {id(p) for g in opt.param_groups for p in g["params"]} == \
-        {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    assert ref is model and {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for n, p in model.named_parameters() if "lora_" in n
+    }
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.5)   # a trained adapter: the policy now differs from the base
+                p.normal_(0, 0.5)  # a trained adapter: the policy now differs from the base
     from transformers import AutoModelForCausalLM
+
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     s = M.Sample()
     s.append(tok.encode("<|im_start|>user\nWhat is the value of golf?<|im_end|>\n"), mask=0)
@@ -59,11 +70,17 @@ def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path, ti
 def test_merge_lora_writes_one_model_that_scores_as_base_plus_adapter(tmp_path, tiny_model_dir):
     M.train(run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=2", "learning_rate=0.05", *LORA))
     ckpt, out = f"{tmp_path}/run/checkpoint-2", f"{tmp_path}/merged"
-    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "merge-lora", ckpt, out], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "mt_grpo_trainer.py", "merge-lora", ckpt, out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
+
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     peft_model = AutoPeftModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -72,8 +89,13 @@ def test_merge_lora_writes_one_model_that_scores_as_base_plus_adapter(tmp_path, 
         lp = [M.token_logprobs(m, ids, torch.ones_like(ids), 1.0) for m in (merged, peft_model, base)]
     torch.testing.assert_close(lp[0], lp[1], rtol=1e-4, atol=1e-5)
     assert (lp[0] - lp[2]).abs().max() > 1e-4, "the adapter was trained, so the merged model is not the base"
-    bad = subprocess.run([sys.executable, "mt_grpo_trainer.py", "merge-lora", tiny_model_dir, out], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "mt_grpo_trainer.py", "merge-lora", tiny_model_dir, out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "holds no LoRA adapter" in bad.stderr
 
 
@@ -86,9 +108,11 @@ def test_resuming_across_lora_and_full_fine_tuning_names_what_to_set(tmp_path, t
     """A checkpoint is resumed in the mode, and with the adapter keys, it was saved with; anything else is one line."""
     M.train(run_cfg(tmp_path, tiny_model_dir, "full", "max_steps=1"))
     M.train(run_cfg(tmp_path, tiny_model_dir, "lora", "max_steps=1", *LORA))
-    for name, extra, said in (("full", LORA, "saved by full fine-tuning: set lora_rank=0 to resume it"),
-                              ("lora", [], "saved with LoRA: set lora_rank=4, lora_alpha=8.0, lora_dropout=0.0 to resume it"),
-                              ("lora", [*LORA, "lora_alpha=16"], "saved with LoRA: set lora_rank=4, lora_alpha=8.0")):
+    for name, extra, said in (
+        ("full", LORA, "saved by full fine-tuning: set lora_rank=0 to resume it"),
+        ("lora", [], "saved with LoRA: set lora_rank=4, lora_alpha=8.0, lora_dropout=0.0 to resume it"),
+        ("lora", [*LORA, "lora_alpha=16"], "saved with LoRA: set lora_rank=4, lora_alpha=8.0"),
+    ):
         with pytest.raises(M.ConfigError, match=said):
             M.train(run_cfg(tmp_path, tiny_model_dir, name, "max_steps=2", "resume_from_checkpoint=auto", *extra))
     hist = M.train(run_cfg(tmp_path, tiny_model_dir, "lora", "max_steps=2", "resume_from_checkpoint=auto", *LORA))

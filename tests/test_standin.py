@@ -1,4 +1,5 @@
 """The vLLM 0.33 stand-in itself: response shapes, real tokens and logprobs, stops, errors, faults, dev routes."""
+
 import concurrent.futures
 import time
 
@@ -9,7 +10,7 @@ import torch
 import mt_grpo_trainer as M
 from vllm_standin import StandinServer
 
-T = 10   # seconds: every HTTP call has a timeout
+T = 10  # seconds: every HTTP call has a timeout
 
 
 @pytest.fixture(scope="module")
@@ -51,36 +52,71 @@ def test_models_health_and_unknown_routes(srv, tiny_model_dir):
 def test_completion_schema_real_token_ids_and_logprobs(srv, tiny, tok):
     model, _ = tiny
     p = prompt_ids(tok)
-    r = complete(srv, model=srv.served_model_name, prompt=p, max_tokens=12, temperature=1.0, logprobs=0,
-                 return_token_ids=True, skip_special_tokens=False, include_stop_str_in_output=True,
-                 cache_salt="v3", ignore_eos=True)
+    r = complete(
+        srv,
+        model=srv.served_model_name,
+        prompt=p,
+        max_tokens=12,
+        temperature=1.0,
+        logprobs=0,
+        return_token_ids=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        cache_salt="v3",
+        ignore_eos=True,
+    )
     assert r.status_code == 200, r.text
     out = r.json()
-    assert set(out) == {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-                        "kv_transfer_params", "ec_transfer_params", "metrics"}
+    assert set(out) == {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "service_tier",
+        "system_fingerprint",
+        "usage",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+    }
     assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
     c = out["choices"][0]
-    assert set(c) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs",
-                      "prompt_token_ids", "routed_experts"}          # vLLM 0.32 has no weight_versions
+    assert set(c) == {
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "token_ids",
+        "prompt_logprobs",
+        "prompt_token_ids",
+        "routed_experts",
+    }  # vLLM 0.32 has no weight_versions
     ids, lps = c["token_ids"], c["logprobs"]["token_logprobs"]
     assert c["prompt_token_ids"] == p and len(ids) == len(lps) == 12 and c["finish_reason"] == "length"
     assert tok.decode(ids, skip_special_tokens=False) == c["text"]
     assert all(x <= 0 for x in lps) and c["logprobs"]["tokens"] == [tok.decode([t]) for t in ids]
     assert c["logprobs"]["top_logprobs"][0] == {c["logprobs"]["tokens"][0]: lps[0]}
-    full = torch.tensor([p + ids])            # logprobs are the model's, at the sampling temperature
+    full = torch.tensor([p + ids])  # logprobs are the model's, at the sampling temperature
     with torch.no_grad():
-        ref = M.token_logprobs(model, full, torch.ones_like(full), 1.0)[0][len(p):].tolist()
+        ref = M.token_logprobs(model, full, torch.ones_like(full), 1.0)[0][len(p) :].tolist()
     torch.testing.assert_close(lps, ref, rtol=0, atol=1e-4)
-    assert out["usage"] == {"prompt_tokens": len(p), "completion_tokens": 12, "total_tokens": len(p) + 12,
-                            "prompt_tokens_details": None, "completion_tokens_details": None}
+    assert out["usage"] == {
+        "prompt_tokens": len(p),
+        "completion_tokens": 12,
+        "total_tokens": len(p) + 12,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     assert srv.requests[-1]["cache_salt"] == "v3" and srv.requests[-1]["body"]["prompt"] == p
 
 
 def test_defaults_null_fields_string_prompt_and_misspelt_fields(srv, tok):
     c = complete(srv, prompt="<|im_start|>user\nhi", max_tokens=3, return_tokens_ids=True).json()["choices"][0]
-    assert c["token_ids"] is None and c["prompt_token_ids"] is None and c["logprobs"] is None   # typo ignored
+    assert c["token_ids"] is None and c["prompt_token_ids"] is None and c["logprobs"] is None  # typo ignored
     r = complete(srv, prompt=[5, 6], max_tokens=None, temperature=0, logprobs=True, ignore_eos=True).json()
-    assert len(r["choices"][0]["logprobs"]["tokens"]) == 16          # max_tokens null means 16; true means 1
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == 16  # max_tokens null means 16; true means 1
 
 
 def test_n_choices_and_several_prompts(srv, tok):
@@ -88,15 +124,27 @@ def test_n_choices_and_several_prompts(srv, tok):
     out = complete(srv, prompt=[p1, p2], n=3, max_tokens=4, return_token_ids=True, logprobs=0).json()
     assert [c["index"] for c in out["choices"]] == list(range(6))
     assert [c["prompt_token_ids"] for c in out["choices"]] == [p1] * 3 + [p2] * 3
-    assert out["usage"]["prompt_tokens"] == len(p1) + len(p2)        # each prompt once, not n times
+    assert out["usage"]["prompt_tokens"] == len(p1) + len(p2)  # each prompt once, not n times
     assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
-    assert error(complete(srv, prompt=[], max_tokens=2)) == (400, {"message": "You must pass at least one prompt",
-                                                                   "type": "BadRequestError", "param": None, "code": 400})
+    assert error(complete(srv, prompt=[], max_tokens=2)) == (
+        400,
+        {"message": "You must pass at least one prompt", "type": "BadRequestError", "param": None, "code": 400},
+    )
 
 
 def free_run(s, p, seed, **kw):
-    body = dict(dict(prompt=p, max_tokens=24, seed=seed, return_token_ids=True, logprobs=0, ignore_eos=True,
-                     skip_special_tokens=False), **kw)
+    body = dict(
+        dict(
+            prompt=p,
+            max_tokens=24,
+            seed=seed,
+            return_token_ids=True,
+            logprobs=0,
+            ignore_eos=True,
+            skip_special_tokens=False,
+        ),
+        **kw,
+    )
     return complete(s, **body).json()["choices"][0]
 
 
@@ -104,14 +152,14 @@ def test_stop_string_cuts_text_but_token_ids_keep_the_stop_tokens(srv, tok):
     p = prompt_ids(tok)
     free = free_run(srv, p, 7)
     text = tok.decode(free["token_ids"])
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     c = free_run(srv, p, 7, stop=[stop])
     ids = c["token_ids"]
-    assert c["finish_reason"] == "stop" and c["stop_reason"] == stop and ids == free["token_ids"][:len(ids)]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == stop and ids == free["token_ids"][: len(ids)]
     assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
-    assert c["text"] == text[:text.find(stop)] and len(c["logprobs"]["token_logprobs"]) == len(ids)
+    assert c["text"] == text[: text.find(stop)] and len(c["logprobs"]["token_logprobs"]) == len(ids)
     c2 = free_run(srv, p, 7, stop=[stop], include_stop_str_in_output=True)
-    assert c2["token_ids"] == ids and c2["text"] == text[:text.find(stop) + len(stop)]
+    assert c2["token_ids"] == ids and c2["text"] == text[: text.find(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_eos(srv, tok):
@@ -119,10 +167,10 @@ def test_stop_token_ids_and_eos(srv, tok):
     free = free_run(srv, p, 11)["token_ids"]
     k = next(i for i in range(2, len(free)) if free[i] not in free[:i])
     c = free_run(srv, p, 11, stop_token_ids=[free[k]])
-    assert c["token_ids"] == free[:k + 1] and c["finish_reason"] == "stop" and c["stop_reason"] == free[k]
-    assert c["text"] == tok.decode(free[:k])                         # the stop token's text is not in `text`
+    assert c["token_ids"] == free[: k + 1] and c["finish_reason"] == "stop" and c["stop_reason"] == free[k]
+    assert c["text"] == tok.decode(free[:k])  # the stop token's text is not in `text`
     c = free_run(srv, p, 11, stop_token_ids=[free[k]], include_stop_str_in_output=True)
-    assert c["text"] == tok.decode(free[:k + 1])
+    assert c["text"] == tok.decode(free[: k + 1])
     # EOS: a model whose EOS is the token it samples at step k finishes there with stop_reason null
     eos = srv.eos_id
     srv.eos_id, srv.sampler.eos_ids = free[k], {free[k]}
@@ -130,7 +178,7 @@ def test_stop_token_ids_and_eos(srv, tok):
         c = free_run(srv, p, 11, ignore_eos=False)
     finally:
         srv.eos_id, srv.sampler.eos_ids = eos, {eos}
-    assert c["token_ids"] == free[:k + 1] and c["finish_reason"] == "stop" and c["stop_reason"] is None
+    assert c["token_ids"] == free[: k + 1] and c["finish_reason"] == "stop" and c["stop_reason"] is None
 
 
 def error(r):
@@ -140,17 +188,19 @@ def error(r):
 def test_request_errors_match_vllm(srv, tok):
     status, e = error(complete(srv, prompt=[5] * 513, max_tokens=4))
     assert status == 400 and e["type"] == "BadRequestError" and e["param"] == "input_tokens" and e["code"] == 400
-    assert e["message"].startswith("This model's maximum context length is 512 tokens. However, your prompt "
-                                   "contains 513 input tokens, which exceeds this limit even without any output tokens.")
+    assert e["message"].startswith(
+        "This model's maximum context length is 512 tokens. However, your prompt "
+        "contains 513 input tokens, which exceeds this limit even without any output tokens."
+    )
     status, e = error(complete(srv, prompt=[5], max_tokens=600))
     assert status == 400 and e["message"].startswith("max_tokens=600 cannot be greater than max_model_len=512.")
     status, e = error(complete(srv, prompt=[5] * 512, max_tokens=4))
     assert status == 400 and e["message"].startswith("max_tokens must be at least 1, got 0.")
     c = complete(srv, prompt=[5] * 508, max_tokens=100, ignore_eos=True, return_token_ids=True).json()["choices"][0]
-    assert len(c["token_ids"]) == 4 and c["finish_reason"] == "length"    # prompt + max_tokens > 512: clamped
+    assert len(c["token_ids"]) == 4 and c["finish_reason"] == "length"  # prompt + max_tokens > 512: clamped
     assert error(complete(srv, prompt=[[]]))[1]["message"] == "The decoder prompt cannot be empty"
     status, e = error(complete(srv, prompt=""))
-    assert status == 400 and e["type"] == "BadRequestError" and e["param"] == "prompt"   # 0.32: not a validation list
+    assert status == 400 and e["type"] == "BadRequestError" and e["param"] == "prompt"  # 0.32: not a validation list
     status, e = error(complete(srv, prompt=[5], stop=list("abcde")))
     assert status == 400 and e["param"] == "body.stop" and "at most 4 items" in e["message"]
     assert error(complete(srv, prompt=[5, 100000]))[1]["message"] == "Token id 100000 is out of vocabulary"
@@ -159,8 +209,10 @@ def test_request_errors_match_vllm(srv, tok):
         assert status == 400 and e["param"] == "cache_salt" and "'cache_salt' must be" in e["message"]
     status, e = error(complete(srv, prompt=[5], model="other"))
     assert status == 404 and e["type"] == "NotFoundError" and "does not exist" in e["message"]
-    assert error(complete(srv, prompt=[5], n=2, temperature=0))[1]["message"] == \
-        "n must be 1 when using greedy sampling, got 2."
+    assert (
+        error(complete(srv, prompt=[5], n=2, temperature=0))[1]["message"]
+        == "n must be 1 when using greedy sampling, got 2."
+    )
     r = requests.post(srv.url + "/v1/completions", data="{}", headers={"Content-Type": "text/plain"}, timeout=T)
     assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
 
@@ -195,12 +247,14 @@ def test_fault_counters(srv):
     assert complete(srv, **body).json()["choices"][0]["logprobs"] is None
     srv.faults.bad_token_next(1)
     assert max(complete(srv, **body).json()["choices"][0]["token_ids"]) >= srv.vocab_size
-    c = complete(srv, **body).json()["choices"][0]                    # every counter is used up
+    c = complete(srv, **body).json()["choices"][0]  # every counter is used up
     assert max(c["token_ids"]) < srv.vocab_size and c["logprobs"] is not None
     srv.faults.set_engine_dead()
     assert requests.get(srv.url + "/health", timeout=T).status_code == 503
     status, e = error(complete(srv, **body))
-    assert status == 500 and e["message"] == "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    assert (
+        status == 500 and e["message"] == "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    )
     srv.faults.clear()
     assert requests.get(srv.url + "/health", timeout=T).status_code == 200
 
@@ -227,7 +281,7 @@ def test_requests_are_batched(srv):
     b0 = srv.engine_batches
     rs = run_concurrently(srv, 32, dict(prompt=[5, 6, 7], max_tokens=8, ignore_eos=True))
     assert all(r.status_code == 200 for r in rs)
-    assert srv.engine_batches - b0 <= 12 and max(srv.batch_sizes[-(srv.engine_batches - b0):]) >= 4
+    assert srv.engine_batches - b0 <= 12 and max(srv.batch_sizes[-(srv.engine_batches - b0) :]) >= 4
     # keep-paused, requests wait in the queue; on resume they run as one batch
     post(srv, "/pause", params={"mode": "keep"})
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -271,11 +325,12 @@ def greedy(s, prompts):
 
 def test_reload_weights_changes_completions(tiny_model_dir, tok, tmp_path):
     from transformers import AutoModelForCausalLM
+
     cfg = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
-    cfg.initializer_range = 0.5     # at the default 0.02 a tied-embedding random model greedily repeats its input
+    cfg.initializer_range = 0.5  # at the default 0.02 a tied-embedding random model greedily repeats its input
     torch.manual_seed(1)
     other = AutoModelForCausalLM.from_config(cfg)
-    other.to(torch.bfloat16).save_pretrained(tmp_path / "step_1")      # as the trainer saves it
+    other.to(torch.bfloat16).save_pretrained(tmp_path / "step_1")  # as the trainer saves it
     prompts = [prompt_ids(tok), [5, 6, 7]]
     with StandinServer(tiny_model_dir) as s:
         before = greedy(s, prompts)
@@ -283,19 +338,31 @@ def test_reload_weights_changes_completions(tiny_model_dir, tok, tmp_path):
         assert post(s, "/collective_rpc", rpc).json() == {"results": [None]}
         after = greedy(s, prompts)
         assert after != before and s.reloads == 1 and s.last_weights_path == str(tmp_path / "step_1")
-        assert post(s, "/collective_rpc", {"method": "reload_weights", "args": [None, tiny_model_dir]}).status_code == 200
+        assert (
+            post(s, "/collective_rpc", {"method": "reload_weights", "args": [None, tiny_model_dir]}).status_code == 200
+        )
         assert greedy(s, prompts) == before and s.reloads == 2
-        assert error(post(s, "/collective_rpc", {"method": "frobnicate"}))[1]["message"] == \
-            "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute " \
+        assert (
+            error(post(s, "/collective_rpc", {"method": "frobnicate"}))[1]["message"]
+            == "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
             "'frobnicate'', please check the stack trace above for the root cause"
+        )
         assert error(post(s, "/collective_rpc", {"args": []}))[0] == 400
-        assert s.reloads == 2 and greedy(s, prompts) == before, "a failed call of another method leaves the model as it was"
-        reload = lambda path: error(post(s, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}))
+        assert s.reloads == 2 and greedy(s, prompts) == before, (
+            "a failed call of another method leaves the model as it was"
+        )
+        reload = lambda path: error(
+            post(s, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+        )
         status, e = reload(str(tmp_path / "nope"))
-        assert status == 500 and e == {"message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
-                                       "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
-                                       "argument if needed.', please check the stack trace above for the root cause",
-                                       "type": "InternalServerError", "param": None, "code": 500}
+        assert status == 500 and e == {
+            "message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
+            "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+            "argument if needed.', please check the stack trace above for the root cause",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
         (tmp_path / "empty").mkdir()
         assert "Cannot find any model weights with `<path>`" in reload(str(tmp_path / "empty"))[1]["message"]
         assert error(post(s, "/collective_rpc", {"method": "reload_weights", "args": [str(tmp_path)]}))[0] == 500
@@ -307,8 +374,14 @@ def test_reload_weights_changes_completions(tiny_model_dir, tok, tmp_path):
 
 def test_dev_routes_are_404_without_dev_mode(tiny_model_dir):
     with StandinServer(tiny_model_dir, dev_mode=False) as s:
-        for path in ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/init_weight_transfer_engine",
-                     "/update_weights"):
+        for path in (
+            "/pause",
+            "/resume",
+            "/collective_rpc",
+            "/reset_prefix_cache",
+            "/init_weight_transfer_engine",
+            "/update_weights",
+        ):
             r = post(s, path, {})
             assert r.status_code == 404 and r.json() == {"detail": "Not Found"}, path
         assert requests.get(s.url + "/is_paused", timeout=T).status_code == 404
@@ -316,28 +389,38 @@ def test_dev_routes_are_404_without_dev_mode(tiny_model_dir):
 
 
 def test_weight_transfer_routes(srv, tiny_model_dir):
-    not_configured = ("Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
-                      "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
-                      "for the root cause")
+    not_configured = (
+        "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
+        "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
+        "for the root cause"
+    )
     status, e = error(post(srv, "/start_weight_update"))
     assert status == 500 and e["message"] == not_configured and e["type"] == "InternalServerError"
     assert requests.get(srv.url + "/get_world_size", timeout=T).json() == {"world_size": 1}
     init = {"master_address": "127.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 2, "packed": True}
     update = {"names": ["lm_head.weight"], "dtype_names": ["bfloat16"], "shapes": [[8, 4]]}
     with StandinServer(tiny_model_dir, weight_transfer=True) as s:
-        assert error(post(s, "/init_weight_transfer_engine", {}))[0] == 400            # init_info is required
+        assert error(post(s, "/init_weight_transfer_engine", {}))[0] == 400  # init_info is required
         status, e = error(post(s, "/init_weight_transfer_engine", {"init_info": {"master_address": "x"}}))
         assert status == 500 and "Invalid init_info for NCCLWeightTransferEngine" in e["message"]
-        assert post(s, "/init_weight_transfer_engine", {"init_info": init}).json() == {"message": "Weight transfer initialized"}
-        assert "start_weight_update must be called" in error(post(s, "/update_weights", {"update_info": update}))[1]["message"]
+        assert post(s, "/init_weight_transfer_engine", {"init_info": init}).json() == {
+            "message": "Weight transfer initialized"
+        }
+        assert (
+            "start_weight_update must be called"
+            in error(post(s, "/update_weights", {"update_info": update}))[1]["message"]
+        )
         assert post(s, "/start_weight_update").json() == {"message": "Weight update started"}
         status, e = error(post(s, "/update_weights", {"update_info": dict(update, packed=True)}))
         assert status == 500 and "unexpected keyword argument 'packed'" in e["message"]
-        post(s, "/start_weight_update")                                # the failed update ended the session
+        post(s, "/start_weight_update")  # the failed update ended the session
         assert post(s, "/update_weights", {"update_info": update}).json() == {"message": "Weights updated"}
         assert post(s, "/finish_weight_update", {"weight_version": "3"}).json() == {"message": "Weight update finished"}
-        assert s.weight_version == "3" and [c["route"] for c in s.weight_transfer_calls][-3:] == \
-            ["start_weight_update", "update_weights", "finish_weight_update"]
+        assert s.weight_version == "3" and [c["route"] for c in s.weight_transfer_calls][-3:] == [
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
         c = complete(s, prompt=[5], max_tokens=2, ignore_eos=True, return_weight_versions=True).json()["choices"][0]
         assert "weight_versions" not in c, "vLLM 0.32 ignores return_weight_versions (an unknown field)"
 
@@ -350,9 +433,17 @@ def test_callable_backend(tiny_model_dir):
         return [7, 8, 9, 10], [-0.5] * 4, "length"
 
     with StandinServer(backend=backend, vocab_size=100, max_model_len=10) as s:
-        c = complete(s, prompt=[1, 2, 3], max_tokens=9, temperature=0.5, n=2, return_token_ids=True, logprobs=0,
-                     stop_token_ids=[9]).json()["choices"]
+        c = complete(
+            s,
+            prompt=[1, 2, 3],
+            max_tokens=9,
+            temperature=0.5,
+            n=2,
+            return_token_ids=True,
+            logprobs=0,
+            stop_token_ids=[9],
+        ).json()["choices"]
         assert len(c) == 2 and c[0]["token_ids"] == [7, 8, 9] and c[0]["stop_reason"] == 9
         assert c[0]["logprobs"]["tokens"] == ["token_id:7", "token_id:8", "token_id:9"]
-        assert seen == [([1, 2, 3], 7, 0.5)] * 2                         # max_tokens clamped to 10 - 3
+        assert seen == [([1, 2, 3], 7, 0.5)] * 2  # max_tokens clamped to 10 - 3
         assert error(complete(s, prompt=[100], max_tokens=2))[1]["message"] == "Token id 100 is out of vocabulary"

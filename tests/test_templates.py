@@ -1,5 +1,6 @@
 """Token faithfulness across real chat templates (fixtures in ../shared): extension, forks, thinking
 retention, native tool calls, adversarial sampled ids, and the tokenization check."""
+
 import json
 import os
 
@@ -11,13 +12,16 @@ from conftest import ROOT
 from test_env import ScriptedSampler, char_ids
 
 FIX = os.path.join(ROOT, "..", "shared", "fixtures")
-pytestmark = pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (real tokenizer and chat templates)")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(FIX), reason="needs ../shared/fixtures (real tokenizer and chat templates)"
+)
 TEMPLATES = ["qwen3", "qwen2_5", "llama3_1", "smollm2"]
 
 
 @pytest.fixture(scope="module")
 def qwen3():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
     tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read()
     return tok
@@ -49,14 +53,25 @@ def test_qwen3_drops_thinking_at_the_user_query_and_the_new_sample_is_what_the_s
     cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10)
     env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nsecret plan\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
-    ep, seen = CT.simulate_episode(env, [("assistant", call), ("assistant", "<think>\nok\n</think>\n\nDone."),
-                                        ("user", "Again?"), ("assistant", "<think>\nsure\n</think>\n\nYes.")], qwen3.eos_token_id)
+    ep, seen = CT.simulate_episode(
+        env,
+        [
+            ("assistant", call),
+            ("assistant", "<think>\nok\n</think>\n\nDone."),
+            ("user", "Again?"),
+            ("assistant", "<think>\nsure\n</think>\n\nYes."),
+        ],
+        qwen3.eos_token_id,
+    )
     assert len(ep.samples) == 2 and ep.forks == 1
     first, second = (qwen3.decode(s.input_ids) for s in ep.samples)
-    assert "secret plan" in first and "secret plan" not in second       # the template dropped it at the user query
-    assert ep.samples[1].input_ids[:len(seen[2][0])] == seen[2][0]       # new sample = exactly the sampler's prompt
-    assert second == qwen3.apply_chat_template(ep.messages[:-1], tools=env.schemas, tokenize=False,
-                                               add_generation_prompt=True) + "<think>\nsure\n</think>\n\nYes.<|im_end|>"
+    assert "secret plan" in first and "secret plan" not in second  # the template dropped it at the user query
+    assert ep.samples[1].input_ids[: len(seen[2][0])] == seen[2][0]  # new sample = exactly the sampler's prompt
+    assert (
+        second
+        == qwen3.apply_chat_template(ep.messages[:-1], tools=env.schemas, tokenize=False, add_generation_prompt=True)
+        + "<think>\nsure\n</think>\n\nYes.<|im_end|>"
+    )
 
 
 def test_all_retention_keeps_every_thinking_block_in_one_sample(qwen3):
@@ -68,9 +83,13 @@ def test_tool_cycle_keeps_thinking_only_inside_the_cycle():
     """A QwQ-style template drops every past thinking block: under `template` each tool turn forks;
     `tool_cycle` keeps the in-flight cycle verbatim (one sample until the next user query)."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
-    tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read().replace(
-        "{%- if loop.index0 > ns.last_query_index %}", "{%- if loop.last %}")
+    tok.chat_template = (
+        open(os.path.join(FIX, "qwen3_chat_template.jinja"))
+        .read()
+        .replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if loop.last %}")
+    )
     t = CT.check_template(tok, "template", "native")["settings"]["thinking"]
     assert kinds(t) == [("tool", False), ("tool", False), ("user", False), ("tool", False)]
     c = CT.check_template(tok, "tool_cycle", "native")
@@ -79,8 +98,14 @@ def test_tool_cycle_keeps_thinking_only_inside_the_cycle():
 
 
 def test_compaction_breaks_extension_once_every_n_turns(qwen3):
-    cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=100, thinking_retention="all",
-                   thinking_compaction_turns=2, tokenization_check="strict")
+    cfg = M.Config(
+        system_prompt="",
+        tool_format="native",
+        max_env_steps=100,
+        thinking_retention="all",
+        thinking_compaction_turns=2,
+        tokenization_check="strict",
+    )
     env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nstep {}\n</think>\n\n<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "q{}"}}}}\n</tool_call>'
     ep, seen = CT.simulate_episode(env, [("assistant", call.format(i, i)) for i in range(6)], qwen3.eos_token_id)
@@ -95,7 +120,7 @@ def test_compaction_breaks_extension_once_every_n_turns(qwen3):
 def test_xml_protocol_under_every_template(qwen3, name):
     r = CT.check_template(with_template(qwen3, name), "template", "xml")
     assert r["violations"] == []
-    if name == "qwen3":   # an XML <result> is a user message, i.e. a new query to Qwen3: thinking dropped every turn
+    if name == "qwen3":  # an XML <result> is a user message, i.e. a new query to Qwen3: thinking dropped every turn
         assert not any(b["extends"] for b in r["settings"]["thinking"]["boundaries"])
         assert CT.check_template(with_template(qwen3, name), "all", "xml")["samples_per_episode"] == 1
     else:
@@ -108,7 +133,7 @@ def test_native_tool_calls_keep_the_invariants_under_every_template(qwen3, name)
     in another format (Llama 3.1's JSON) or not at all (SmolLM2's) re-render the turn: the sample forks."""
     r = CT.check_template(with_template(qwen3, name), "template", "native")
     assert r["violations"] == []
-    if name == "qwen3":      # Hermes <tool_call> is the Qwen templates' own format: a tool cycle stays one sample
+    if name == "qwen3":  # Hermes <tool_call> is the Qwen templates' own format: a tool cycle stays one sample
         assert kinds(r["settings"]["thinking"])[:2] == [("tool", True), ("tool", True)]
     if name == "qwen2_5":
         assert r["settings"]["no_thinking"]["samples_per_episode"] == 1
@@ -122,12 +147,18 @@ def test_tool_cycle_keeps_the_forced_empty_think_block_of_qwen3_without_thinking
 
 
 def native_env(qwen3, **kw):
-    return M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(**{"system_prompt": "", "tool_format": "native",
-                                                                  "max_env_steps": 10, "tokenization_check": "strict", **kw}))
+    return M.MultiTurnToolEnv(
+        qwen3,
+        [CT._sim_search],
+        M.Config(
+            **{"system_prompt": "", "tool_format": "native", "max_env_steps": 10, "tokenization_check": "strict", **kw}
+        ),
+    )
 
 
 class Turns(ScriptedSampler):
     """Each call returns the next scripted list of ids."""
+
     def generate(self, prompts, max_tokens, *a, **k):
         out = []
         for p in prompts:
@@ -138,17 +169,24 @@ class Turns(ScriptedSampler):
         return out
 
 
-@pytest.mark.parametrize("call", ['{"name": "_sim_search", "arguments": {"query": "x"', '["_sim_search"]',
-                                  '{"arguments": {"query": "x"}, "name": "_sim_search"}'])
+@pytest.mark.parametrize(
+    "call",
+    [
+        '{"name": "_sim_search", "arguments": {"query": "x"',
+        '["_sim_search"]',
+        '{"arguments": {"query": "x"}, "name": "_sim_search"}',
+    ],
+)
 def test_native_calls_that_do_not_round_trip_are_errors_or_forks_never_a_crash(qwen3, call):
     enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
-    sampler = Turns(qwen3, [enc(f"<think>\nx\n</think>\n\n<tool_call>\n{call}\n</tool_call>"),
-                            enc("<think>\ny\n</think>\n\nDone.")])
+    sampler = Turns(
+        qwen3, [enc(f"<think>\nx\n</think>\n\n<tool_call>\n{call}\n</tool_call>"), enc("<think>\ny\n</think>\n\nDone.")]
+    )
     [ep] = native_env(qwen3).rollout([{"prompt": "q"}], sampler)
     assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tokenization_mismatches == 0
     trained = [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m]
     assert trained == sampler.sent[0] + sampler.sent[1]
-    if call.startswith('{"arguments"'):   # valid but non-canonical key order: run, then re-rendered canonically
+    if call.startswith('{"arguments"'):  # valid but non-canonical key order: run, then re-rendered canonically
         assert ep.tool_errors == 0 and ep.forks == 1
     else:
         assert ep.tool_errors == 1 and ep.messages[-2]["content"].startswith("Error:")
@@ -157,13 +195,23 @@ def test_native_calls_that_do_not_round_trip_are_errors_or_forks_never_a_crash(q
 def test_a_second_eos_token_ends_the_turn_without_a_mismatch(qwen3):
     enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
     other_eos = qwen3.convert_tokens_to_ids("<|endoftext|>")
-    sampler = Turns(qwen3, [enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>') + [other_eos],
-                            enc("<think>\ny\n</think>\n\nDone.") + [other_eos]])
+    sampler = Turns(
+        qwen3,
+        [
+            enc(
+                '<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
+            )
+            + [other_eos],
+            enc("<think>\ny\n</think>\n\nDone.") + [other_eos],
+        ],
+    )
     [ep] = native_env(qwen3).rollout([{"prompt": "q"}], sampler)
     assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.tokenization_mismatches == 0
     # the template ends the call turn with its own <|im_end|>: REALIGN turns the sampled end marker into context
     assert len(ep.samples) == 1 and ep.realigns == 1 and ep.realigned_tokens == 1 and ep.forks == 0
-    assert [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0][:-1] + sampler.sent[1]
+    assert [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0][
+        :-1
+    ] + sampler.sent[1]
     off = native_env(qwen3, realign_max_tokens=0).rollout([{"prompt": "q"}], Turns(qwen3, sampler.script))[0]
     assert len(off.samples) == 2 and off.forks == 1 and off.realigns == 0, "realign_max_tokens=0: always fork"
     assert [i for s in off.samples for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
@@ -176,13 +224,18 @@ def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
     env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
     call = '<think>\nuse <|im_end|> literally\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "<|im_start|>"}}\n</tool_call>'
     ids = char_ids(qwen3, call) + [qwen3.eos_token_id]
-    assert qwen3.convert_tokens_to_ids("<|im_end|>") not in ids[:-1]          # the text, not the control token
+    assert qwen3.convert_tokens_to_ids("<|im_end|>") not in ids[:-1]  # the text, not the control token
     assert qwen3.encode("\n\n", add_special_tokens=False) == [271] and 271 not in ids
 
     class Sampler(ScriptedSampler):
         def generate(self, prompts, max_tokens, *a, **k):
             self.prompts += prompts
-            out = ids if len(self.prompts) == 1 else qwen3.encode("<think>\nok\n</think>\n\nThe answer.", add_special_tokens=False) + [qwen3.eos_token_id]
+            out = (
+                ids
+                if len(self.prompts) == 1
+                else qwen3.encode("<think>\nok\n</think>\n\nThe answer.", add_special_tokens=False)
+                + [qwen3.eos_token_id]
+            )
             self.sent.append(out)
             return [M.Completion(out, [-0.5] * len(out), "stop")]
 
@@ -192,16 +245,24 @@ def test_adversarial_sampled_ids_are_trained_verbatim(qwen3):
     assert len(ep.samples) == 1 and ep.tokenization_mismatches == 0
     s = ep.samples[0]
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == sampler.sent[0] + sampler.sent[1]
-    assert s.input_ids[:len(sampler.prompts[1])] == sampler.prompts[1]
+    assert s.input_ids[: len(sampler.prompts[1])] == sampler.prompts[1]
     assert ep.messages[-2] == {"role": "tool", "content": "Results for <|im_start|>: 42 is the answer."}
 
 
 def test_native_tool_schema_from_signature_and_docstring(qwen3):
     schema = M.tool_schema(CT._sim_search)
-    assert schema == {"type": "function", "function": {
-        "name": "_sim_search", "description": "Search the web for `query`.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to search for"}},
-                       "required": ["query"]}}}
+    assert schema == {
+        "type": "function",
+        "function": {
+            "name": "_sim_search",
+            "description": "Search the web for `query`.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "description": "what to search for"}},
+                "required": ["query"],
+            },
+        },
+    }
     env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(system_prompt="", tool_format="native"))
     text = env.render([{"role": "user", "content": "hi"}], {})
     assert json.dumps(schema) in text and "<tool_call>" in text
@@ -213,19 +274,29 @@ def test_tokenization_check_modes(tok, tmp_path):
     through under ignore_strippable, an error with a diff under strict, not looked at under off; other text: an
     error under ignore_strippable too."""
     from conftest import recipe_cfg
+
     old = tok.chat_template
-    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-                         "{{ (pad | default('')) + '<|im_end|>\\n' }}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{{ (pad | default('')) + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     try:
         env = M.MultiTurnToolEnv(tok, [], recipe_cfg(tmp_path, "tokenization_check=strict"))
         [ep] = env.rollout([{"prompt": "q"}], ScriptedSampler(tok, ["<answer>x</answer>"]))
         assert ep.tokenization_mismatches == 0
-        for pad, mode, found in ((" ", "ignore_strippable", 1), (" ", "off", 0), ("x", "off", 0), (" ", "strict", None),
-                                 ("x", "ignore_strippable", None)):
+        for pad, mode, found in (
+            (" ", "ignore_strippable", 1),
+            (" ", "off", 0),
+            ("x", "off", 0),
+            (" ", "strict", None),
+            ("x", "ignore_strippable", None),
+        ):
             env.cfg.chat_template_kwargs, env.cfg.tokenization_check = {"pad": pad}, mode
             if found is None:
-                with pytest.raises(M.TokenizationMismatch, match="differs from a fresh rendering(.|\\n)*trained :(.|\\n)*template:"):
+                with pytest.raises(
+                    M.TokenizationMismatch, match="differs from a fresh rendering(.|\\n)*trained :(.|\\n)*template:"
+                ):
                     env.check_tokenization(ep)
             else:
                 assert env.check_tokenization(ep) == found
@@ -250,9 +321,23 @@ def test_qwen3_without_thinking_and_a_sampled_think_end_in_the_last_turn_pass_th
 def test_check_template_cli_json():
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "check-template", "--tokenizer", os.path.join(FIX, "qwen3_tokenizer"),
-                        "--chat-template", os.path.join(FIX, "qwen3_chat_template.jinja"), "--json"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "mt_grpo_trainer.py",
+            "check-template",
+            "--tokenizer",
+            os.path.join(FIX, "qwen3_tokenizer"),
+            "--chat-template",
+            os.path.join(FIX, "qwen3_chat_template.jinja"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["extension_holds"] is False and out["violations"] == []
@@ -269,10 +354,10 @@ def test_realign_under_a_template_that_trims_content_keeps_one_sample_and_a_real
     env = native_env(llama)
     ep, seen = CT.simulate_episode(env, script, llama.eos_token_id)
     assert len(ep.samples) == 1 and ep.forks == 0 and ep.realigns == 1 and ep.boundaries[0]["realigned"] == 2
-    assert ep.realigned_tokens == 2 and CT.check_invariants(ep, seen, env) == []     # "\n\n" and <|im_end|>
+    assert ep.realigned_tokens == 2 and CT.check_invariants(ep, seen, env) == []  # "\n\n" and <|im_end|>
     s = ep.samples[0]
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == seen[0][1][:-2] + seen[1][1], "I1: sampled ids only"
-    assert s.input_ids[:len(seen[1][0])] == seen[1][0], "the next prompt is the sample as realigned"
+    assert s.input_ids[: len(seen[1][0])] == seen[1][0], "the next prompt is the sample as realigned"
     assert env.check_tokenization(ep) == 0
     off_env = native_env(llama, realign_max_tokens=0)
     off, _ = CT.simulate_episode(off_env, script, llama.eos_token_id)
@@ -286,15 +371,34 @@ def test_realign_under_a_template_that_trims_content_keeps_one_sample_and_a_real
 
 def test_check_template_reports_realign_boundaries(qwen3, capsys):
     llama_dir = os.path.join(FIX, "llama3_1_chat_template.jinja")
-    code = CT.main(["--tokenizer", os.path.join(FIX, "qwen3_tokenizer"), "--chat-template", llama_dir, "--tool-format", "xml",
-                    "--json"])
+    code = CT.main(
+        [
+            "--tokenizer",
+            os.path.join(FIX, "qwen3_tokenizer"),
+            "--chat-template",
+            llama_dir,
+            "--tool-format",
+            "xml",
+            "--json",
+        ]
+    )
     r = json.loads(capsys.readouterr().out)
     assert code == 0 and r["violations"] == []
     assert all(b["extends"] or not b["realigned"] for b in r["boundaries"])
-    fake = {"settings": {"x": {"turns": 2, "samples_per_episode": 1, "violations": [],
-                               "boundaries": [{"kind": "user", "extends": False, "realigned": 2, "turn": 1, "why": "w"}]}}}
-    assert "user:REALIGN" in " ".join(f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
-                                      for b in fake["settings"]["x"]["boundaries"])
+    fake = {
+        "settings": {
+            "x": {
+                "turns": 2,
+                "samples_per_episode": 1,
+                "violations": [],
+                "boundaries": [{"kind": "user", "extends": False, "realigned": 2, "turn": 1, "why": "w"}],
+            }
+        }
+    }
+    assert "user:REALIGN" in " ".join(
+        f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
+        for b in fake["settings"]["x"]["boundaries"]
+    )
 
 
 def bridge_episode(tok, turns, bridge=True):
@@ -321,7 +425,9 @@ def test_a_template_the_bridge_cannot_follow_turns_it_off_and_prompts_stay_exact
     """A template that numbers tool results by their place in the whole conversation renders the new messages
     differently after a stub: the bridge's first check finds it, it stays off, and every prompt is the full one."""
     tok = with_template(qwen3, "qwen3")
-    tok.chat_template = tok.chat_template.replace("{{- '\\n<tool_response>\\n' }}", "{{- '\\n<tool_response #' ~ loop.index ~ '>\\n' }}")
+    tok.chat_template = tok.chat_template.replace(
+        "{{- '\\n<tool_response>\\n' }}", "{{- '\\n<tool_response #' ~ loop.index ~ '>\\n' }}"
+    )
     assert "<tool_response #' ~ loop.index" in tok.chat_template
     env, ep, bridged = bridge_episode(tok, 6)
     _, _, full = bridge_episode(tok, 6, bridge=False)
@@ -341,26 +447,32 @@ def test_a_realigned_prompt_that_leaves_no_room_is_undone_whole(qwen3, tmp_path,
     or under a vLLM server's smaller max_model_len (the stand-in's, through the real client): the episode ends
     'context' and its sample is exactly the first turn as sampled, every sampled token still trained (I1, I2)."""
     from tests.vllm_standin import StandinServer
+
     enc = lambda t: qwen3.encode(t, add_special_tokens=False)  # noqa: E731
     other_eos = qwen3.convert_tokens_to_ids("<|endoftext|>")
-    call = enc('<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>')
-    roomy = native_env(qwen3).rollout([{"prompt": "q"}], Turns(qwen3, [call + [other_eos], enc("Done.") + [other_eos]]))[0]
+    call = enc(
+        '<think>\nx\n</think>\n\n<tool_call>\n{"name": "_sim_search", "arguments": {"query": "x"}}\n</tool_call>'
+    )
+    roomy = native_env(qwen3).rollout(
+        [{"prompt": "q"}], Turns(qwen3, [call + [other_eos], enc("Done.") + [other_eos]])
+    )[0]
     assert roomy.realigns == 1, "the setting below must REALIGN at the boundary"
-    first_prompt = roomy.turns[0].sampled_len + roomy.turns[0].prompt_len   # the sample after turn 0
+    first_prompt = roomy.turns[0].sampled_len + roomy.turns[0].prompt_len  # the sample after turn 0
     sent, room = call + [other_eos], roomy.turns[1].prompt_len
     if limit == "max_seq_len":
         [ep] = native_env(qwen3, max_seq_len=room).rollout([{"prompt": "q"}], Turns(qwen3, [sent]))
     else:
-        with StandinServer(backend=lambda p, r: (sent, [-0.5] * len(sent), "stop"), vocab_size=len(qwen3),
-                           max_model_len=room) as srv:
+        with StandinServer(
+            backend=lambda p, r: (sent, [-0.5] * len(sent), "stop"), vocab_size=len(qwen3), max_model_len=room
+        ) as srv:
             cfg = M.load_config(None, [f"vllm_server_url={srv.url}", f"output_dir={tmp_path}/run"])
             client = M.VLLMServerClient(cfg, len(qwen3))
             [ep] = native_env(qwen3, max_seq_len=4 * room).rollout([{"prompt": "q"}], client)
             assert len([r for r in srv.requests if r["path"] == "/v1/completions"]) == 1
     assert ep.end_reason == "context" and len(ep.turns) == 1 and len(ep.samples) == 1
     s = ep.samples[0]
-    assert len(s.input_ids) == first_prompt < room and s.input_ids[s.last_prompt_len:] == sent
-    assert s.loss_mask[s.last_prompt_len:] == [1] * len(sent) and s.text == qwen3.decode(s.input_ids)
+    assert len(s.input_ids) == first_prompt < room and s.input_ids[s.last_prompt_len :] == sent
+    assert s.loss_mask[s.last_prompt_len :] == [1] * len(sent) and s.text == qwen3.decode(s.input_ids)
     assert ep.realigns == ep.realigned_tokens == 0 and ep.tokenization_mismatches == 0
 
 
@@ -376,8 +488,9 @@ def test_decomposed_unicode_from_a_tool_a_docstring_or_a_prompt_is_read_as_the_t
 
     enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
     call = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n</tool_call>'
-    env = M.MultiTurnToolEnv(qwen3, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=2,
-                                                        tokenization_check="strict"))
+    env = M.MultiTurnToolEnv(
+        qwen3, [search], M.Config(system_prompt="", tool_format="native", max_env_steps=2, tokenization_check="strict")
+    )
     sampler = Turns(qwen3, [enc(call), enc(call), enc("<think>\ny\n</think>\n\nIn California.")])
     [ep] = env.rollout([{"prompt": "Where is La Can\u0303ada?"}], sampler)
     assert "archive of La Ca\u00f1ada" in qwen3.decode(sampler.prompts[0])
@@ -405,7 +518,7 @@ def test_decomposed_unicode_sampled_by_the_policy_then_a_fork_neither_stops_the_
         trained = [i for s in ep.samples for i, m in zip(s.input_ids, s.loss_mask) if m]
         assert trained == sum(sampler.sent, []) and enc("\u0303")[0] in trained
         assert "Ca\u00f1ada" in ep.messages[1]["content"], "the conversation holds the sampled text composed"
-    s, env = M.Sample(), native_env(qwen3)   # a combining mark at the start of appended ids joins the character before
+    s, env = M.Sample(), native_env(qwen3)  # a combining mark at the start of appended ids joins the character before
     env.append(s, enc("n"), mask=0)
     env.append(s, enc("\u0303"), mask=0)
     assert s.text == "\u00f1" == env.dec(s.input_ids) and qwen3.decode(s.input_ids) == "n\u0303"
@@ -414,9 +527,13 @@ def test_decomposed_unicode_sampled_by_the_policy_then_a_fork_neither_stops_the_
 def test_max_env_steps_counts_every_call_of_a_turn(qwen3):
     """A native turn with three calls when two are allowed ends the episode, none of them run."""
     enc = lambda t: qwen3.encode(t, add_special_tokens=False) + [qwen3.eos_token_id]  # noqa: E731
-    three = "\n".join(f'<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "{q}"}}}}\n</tool_call>' for q in "abc")
+    three = "\n".join(
+        f'<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "{q}"}}}}\n</tool_call>' for q in "abc"
+    )
     for limit, runs in ((2, 0), (3, 3)):
-        [ep] = native_env(qwen3, max_env_steps=limit).rollout([{"prompt": "q"}], Turns(qwen3, [enc(three), enc("Done.")]))
+        [ep] = native_env(qwen3, max_env_steps=limit).rollout(
+            [{"prompt": "q"}], Turns(qwen3, [enc(three), enc("Done.")])
+        )
         assert ep.tool_calls == runs and sum(m["role"] == "tool" for m in ep.messages) == runs
         assert ep.end_reason == ("max_env_steps" if runs == 0 else "answer")
 
@@ -435,20 +552,27 @@ def test_two_native_calls_in_one_turn_under_a_one_call_template_are_one_counted_
     two = "\n".join(f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{q}"}}}}\n</tool_call>' for q in "ab")
     for name, runs in (("llama3_1", []), ("qwen3", ["a", "b"])):
         ran.clear()
-        env = M.MultiTurnToolEnv(with_template(qwen3, name), [search], M.Config(
-            system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict"))
+        env = M.MultiTurnToolEnv(
+            with_template(qwen3, name),
+            [search],
+            M.Config(system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict"),
+        )
         [ep] = env.rollout([{"prompt": "q"}], Turns(qwen3, [enc(two), enc("Done.")]))
         assert ep.end_reason == "answer" and ep.tokenization_mismatches == 0 and ran == runs
         if not runs:
             assert ep.tool_calls == ep.tool_errors == 1 and ep.messages[-3] == {"role": "assistant", "content": two}
-            assert ep.messages[-2] == {"role": "tool", "content": "Error: ValueError: this chat template takes one "
-                                       "tool call per turn; this turn made 2, and none of them ran"}
+            assert ep.messages[-2] == {
+                "role": "tool",
+                "content": "Error: ValueError: this chat template takes one "
+                "tool call per turn; this turn made 2, and none of them ran",
+            }
         else:
             assert ep.tool_calls == 2 and ep.tool_errors == 0
 
 
 def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
     """Native calls keep the parsed arguments in the assistant message, which the next prompt renders."""
+
     def tag(keys: list) -> str:
         """Tags keys (and edits the list it was given)."""
         keys.append("edited")

@@ -1,6 +1,7 @@
 """The whole loop: the default recipe end to end from the command line, the episode dump's schema, a missing
 model built whole or not at all, wandb offline. (Checkpoints and resume: test_checkpoints.py; signals:
 test_signals.py.)"""
+
 import json
 import os
 import subprocess
@@ -19,8 +20,16 @@ def length_parity(completions, **_):
 
 
 def check_episode_record(rec, tok):
-    assert {"messages", "rewards", "turn_reward", "outcome_reward", "advantages", "first_result_turn", "samples",
-            "end_reason"} <= set(rec)
+    assert {
+        "messages",
+        "rewards",
+        "turn_reward",
+        "outcome_reward",
+        "advantages",
+        "first_result_turn",
+        "samples",
+        "end_reason",
+    } <= set(rec)
     assistant = "".join(m["content"] for m in rec["messages"] if m["role"] == "assistant")
     for s in rec["samples"]:
         n = len(s["input_ids"])
@@ -39,20 +48,33 @@ def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path, toy_model
     """`bash run.sh`'s recipe, as a user runs it: trains, dumps, checkpoints. The model is the one the recipe's
     builder made (toy_model_dir, built by the same build_model_if_missing), whose report the run prints."""
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "max_steps=2",
-                        f"model_name_or_path={toy_model_dir}", f"output_dir={run}", "log_episodes_steps=1"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "mt_grpo_trainer.py",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            "max_steps=2",
+            f"model_name_or_path={toy_model_dir}",
+            f"output_dir={run}",
+            "log_episodes_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "supervised warm-start of 300 steps" in r.stdout and "before/after" in r.stdout and str(run) in r.stdout
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["reward/outcome"] <= 1 and m["rollout/sampled_tokens"] > 0 for m in metrics)
-    saved = M.load_config(str(run / "config.yaml"))            # the resolved config reloads as a recipe
+    saved = M.load_config(str(run / "config.yaml"))  # the resolved config reloads as a recipe
     assert saved.max_steps == 2 and saved.output_dir == str(run)
     ck = run / "checkpoint-2"
     for f in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
         assert (ck / f).is_file(), f
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(ck)
     recs = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
     assert len(recs) == 2 * 64 and {r["step"] for r in recs} == {1, 2}
@@ -63,9 +85,19 @@ def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path, toy_model
 def run_cfg(tmp_path, model_dir, name, *extra):
     reward = tmp_path / "varying.py"
     reward.write_text(VARYING_REWARD)
-    return recipe_cfg(tmp_path, f"model_name_or_path={model_dir}", "model_builder=", f"output_dir={tmp_path}/{name}",
-                      f"turn_reward_funcs=[{reward}:length_parity]", "learning_rate=0.01", "prompts_per_step=2",
-                      "num_generations=4", "max_tokens=12", "log_episodes_steps=0", *extra)
+    return recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={model_dir}",
+        "model_builder=",
+        f"output_dir={tmp_path}/{name}",
+        f"turn_reward_funcs=[{reward}:length_parity]",
+        "learning_rate=0.01",
+        "prompts_per_step=2",
+        "num_generations=4",
+        "max_tokens=12",
+        "log_episodes_steps=0",
+        *extra,
+    )
 
 
 def test_a_missing_model_is_built_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
@@ -79,12 +111,19 @@ def test_a_missing_model_is_built_whole_or_not_at_all(tmp_path, capsys, monkeypa
         "        open(os.path.join(path, 'half'), 'w').close()\n"
         "        raise RuntimeError('out of disk')\n"
         "    json.dump({'builder': 'builder.py', 'params': 7, 'summary': 'prompt ' + repr(system_prompt[:5])},\n"
-        "              open(os.path.join(path, 'build_report.json'), 'w'))\n")
+        "              open(os.path.join(path, 'build_report.json'), 'w'))\n"
+    )
     model = tmp_path / "model"
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={model}", f"model_builder={tmp_path}/builder.py:build",
-                     "system_prompt=Tools: {tools}")
+    cfg = recipe_cfg(
+        tmp_path,
+        f"model_name_or_path={model}",
+        f"model_builder={tmp_path}/builder.py:build",
+        "system_prompt=Tools: {tools}",
+    )
     monkeypatch.setenv("BUILD_FAILS", "1")
-    with pytest.raises(M.ConfigError, match=r"model builder .* failed: RuntimeError: out of disk \(.*builder.py, line 5\)"):
+    with pytest.raises(
+        M.ConfigError, match=r"model builder .* failed: RuntimeError: out of disk \(.*builder.py, line 5\)"
+    ):
         M.build_model_if_missing(cfg, print)
     assert not model.exists() and not (tmp_path / "model.tmp").exists()
     monkeypatch.delenv("BUILD_FAILS")
@@ -97,6 +136,6 @@ def test_wandb_offline(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     h = M.train(run_cfg(tmp_path, tiny_model_dir, "wb", "max_steps=2", "report_to=wandb", "beta=0.1"))
-    assert h[0]["loss/kl"] == 0.0 < h[1]["loss/kl"]    # KL to the frozen reference: 0 at first, then it grows
+    assert h[0]["loss/kl"] == 0.0 < h[1]["loss/kl"]  # KL to the frozen reference: 0 at first, then it grows
     runs = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.startswith("offline-run")]
     assert runs, "no offline wandb run was written"

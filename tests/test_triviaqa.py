@@ -1,5 +1,6 @@
 """The TriviaQA search task: the paper's rewards on hand-written episodes, wiki_search (local BM25 with
 its on-disk cache, and a Search-R1-style remote retriever), and the dataset loader."""
+
 import http.server
 import json
 import os
@@ -26,7 +27,7 @@ def fixture(path):
 
 
 def call(query):
-    return f'<reasoning>Search first.</reasoning>\n<tool>{json.dumps({"name": "wiki_search", "args": {"query": query}})}</tool>'
+    return f"<reasoning>Search first.</reasoning>\n<tool>{json.dumps({'name': 'wiki_search', 'args': {'query': query}})}</tool>"
 
 
 def result(text):
@@ -37,7 +38,7 @@ def answer(text):
     return {"role": "assistant", "content": f"<reasoning>The result says so.</reasoning>\n<answer>{text}</answer>"}
 
 
-ALIASES = ["Sinclair Lewis", "Harry Sinclair Lewis", "(Harry) Sinclair Lewis", "The"]   # "The" normalises to ""
+ALIASES = ["Sinclair Lewis", "Harry Sinclair Lewis", "(Harry) Sinclair Lewis", "The"]  # "The" normalises to ""
 
 
 def rewards(episodes, aliases=ALIASES, **columns):
@@ -48,6 +49,7 @@ def rewards(episodes, aliases=ALIASES, **columns):
 
 
 # --- rewards ----------------------------------------------------------------------------------
+
 
 def test_normalisation_is_triviaqas():
     assert R.normalize_answer("  The Beatles!! ") == "beatles"
@@ -65,20 +67,32 @@ def test_normalisation_reproduces_the_datasets_normalized_aliases():
 
 
 def test_a_successful_episode_earns_every_reward():
-    ep = [{"role": "assistant", "content": call("Nobel Prize Literature 1930")},
-          result("Doc 1 (Title: Sinclair Lewis)\nHarry Sinclair Lewis was an American novelist..."),
-          answer("Sinclair Lewis")]
+    ep = [
+        {"role": "assistant", "content": call("Nobel Prize Literature 1930")},
+        result("Doc 1 (Title: Sinclair Lewis)\nHarry Sinclair Lewis was an American novelist..."),
+        answer("Sinclair Lewis"),
+    ]
     r = rewards([ep])
-    assert r == {"tool_execution_reward_func": [0.2], "exist_answer_in_search_results": [0.5],
-                 "exact_match_reward_func": [1.0], "exist_answer_reward_func": [0.5],
-                 "format_reward_func": [pytest.approx(0.2)], "xml_reward_func": [0.2]}
+    assert r == {
+        "tool_execution_reward_func": [0.2],
+        "exist_answer_in_search_results": [0.5],
+        "exact_match_reward_func": [1.0],
+        "exist_answer_reward_func": [0.5],
+        "format_reward_func": [pytest.approx(0.2)],
+        "xml_reward_func": [0.2],
+    }
 
 
 def test_tool_errors_lower_the_execution_reward_and_an_error_result_finds_nothing():
     ok = result("Doc 1 (Title: Sinclair Lewis)\nSinclair Lewis won the Nobel Prize in 1930.")
-    err = result("Error: ValueError: query must be a non-empty string; Sinclair Lewis")   # an echo is no search hit
-    one_of_two = [{"role": "assistant", "content": call("")}, err, {"role": "assistant", "content": call("Nobel 1930")}, ok,
-                  answer("Sinclair Lewis")]
+    err = result("Error: ValueError: query must be a non-empty string; Sinclair Lewis")  # an echo is no search hit
+    one_of_two = [
+        {"role": "assistant", "content": call("")},
+        err,
+        {"role": "assistant", "content": call("Nobel 1930")},
+        ok,
+        answer("Sinclair Lewis"),
+    ]
     only_error = [{"role": "assistant", "content": call("")}, err, answer("no idea")]
     no_tool = [answer("Sinclair Lewis")]
     r = rewards([one_of_two, only_error, no_tool])
@@ -90,23 +104,50 @@ def test_tool_errors_lower_the_execution_reward_and_an_error_result_finds_nothin
 
 def test_the_search_reward_reads_the_first_result_only():
     hit, miss = result("Sinclair Lewis was born in Sauk Centre."), result("Upton Sinclair wrote The Jungle.")
-    first = [{"role": "assistant", "content": call("a")}, hit, {"role": "assistant", "content": call("b")}, miss, answer("x")]
-    second = [{"role": "assistant", "content": call("a")}, miss, {"role": "assistant", "content": call("b")}, hit, answer("x")]
+    first = [
+        {"role": "assistant", "content": call("a")},
+        hit,
+        {"role": "assistant", "content": call("b")},
+        miss,
+        answer("x"),
+    ]
+    second = [
+        {"role": "assistant", "content": call("a")},
+        miss,
+        {"role": "assistant", "content": call("b")},
+        hit,
+        answer("x"),
+    ]
     assert R.exist_answer_in_search_results([first, second], aliases=[ALIASES, ALIASES]) == [0.5, 0.0]
     assert R.tool_execution_reward_func([first, second]) == [0.2, 0.2]
 
 
 def test_exact_match_versus_containment_after_normalisation():
-    eps = [[answer(a)] for a in ["the Sinclair Lewis.", "SINCLAIR  LEWIS", "It was Sinclair Lewis, the novelist",
-                                 "Sinclair", "Sinclair Lewisham", ""]]
+    eps = [
+        [answer(a)]
+        for a in [
+            "the Sinclair Lewis.",
+            "SINCLAIR  LEWIS",
+            "It was Sinclair Lewis, the novelist",
+            "Sinclair",
+            "Sinclair Lewisham",
+            "",
+        ]
+    ]
     r = rewards(eps)
     assert r["exact_match_reward_func"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert r["exist_answer_reward_func"] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]   # whole words: "lewisham" is no hit
+    assert r["exist_answer_reward_func"] == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]  # whole words: "lewisham" is no hit
 
 
 def test_the_final_answer_is_the_last_one_given_and_thinking_is_ignored():
-    ep = [answer("Upton Sinclair"), {"role": "assistant", "content": "<think>maybe <answer>Upton</answer></think>"
-                                                                     "<reasoning>r</reasoning>\n<answer>Sinclair Lewis</answer>"}]
+    ep = [
+        answer("Upton Sinclair"),
+        {
+            "role": "assistant",
+            "content": "<think>maybe <answer>Upton</answer></think>"
+            "<reasoning>r</reasoning>\n<answer>Sinclair Lewis</answer>",
+        },
+    ]
     assert R.final_answer(ep) == "Sinclair Lewis"
     assert R.exact_match_reward_func([ep], aliases=[ALIASES]) == [1.0]
     assert R.format_reward_func([ep[1:]]) == [pytest.approx(0.2)]
@@ -122,9 +163,9 @@ def test_malformed_xml_scores_lower_format_and_tag_rewards():
     xml = R.xml_reward_func([good, no_tags, unclosed, doubled, chatty])
     assert fmt[0] == pytest.approx(0.2) and xml[0] == pytest.approx(0.2)
     assert fmt[1] == 0.0 and xml[1] == 0.0
-    assert 0 < fmt[2] < 0.2 and 0 < xml[2] < 0.2            # <reasoning> never closed
-    assert xml[3] < 0.2 and fmt[3] == pytest.approx(0.2)     # tags used twice
-    assert fmt[4] < 0.2 and xml[4] == pytest.approx(0.2)     # text outside the tags
+    assert 0 < fmt[2] < 0.2 and 0 < xml[2] < 0.2  # <reasoning> never closed
+    assert xml[3] < 0.2 and fmt[3] == pytest.approx(0.2)  # tags used twice
+    assert fmt[4] < 0.2 and xml[4] == pytest.approx(0.2)  # text outside the tags
     # the tag-usage reward is floored at 0 however many duplicates there are
     assert R.xml_reward_func([[{"role": "assistant", "content": "<answer>" * 5 + "</answer>"}]]) == [0.0]
     # turns are averaged: one good turn and one without tags
@@ -132,26 +173,44 @@ def test_malformed_xml_scores_lower_format_and_tag_rewards():
 
 
 def test_native_tool_messages_and_the_answer_column_work_too():
-    ep = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "wiki_search", "arguments": {"query": "q"}}}]},
-          {"role": "tool", "content": "Doc 1 (Title: Paris)\nParis is the capital of France."},
-          {"role": "assistant", "content": "<answer>Paris</answer>"}]
+    ep = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "wiki_search", "arguments": {"query": "q"}}}],
+        },
+        {"role": "tool", "content": "Doc 1 (Title: Paris)\nParis is the capital of France."},
+        {"role": "assistant", "content": "<answer>Paris</answer>"},
+    ]
     r = {f.__name__: f([ep], answer=["Paris"], prompt=["q"]) for f in R.TURN_REWARD_FUNCS + R.OUTCOME_REWARD_FUNCS[:2]}
-    assert r == {"tool_execution_reward_func": [0.2], "exist_answer_in_search_results": [0.5],
-                 "exact_match_reward_func": [1.0], "exist_answer_reward_func": [0.5]}
+    assert r == {
+        "tool_execution_reward_func": [0.2],
+        "exist_answer_in_search_results": [0.5],
+        "exact_match_reward_func": [1.0],
+        "exist_answer_reward_func": [0.5],
+    }
     with pytest.raises(ValueError, match="column 'aliases'"):
         R.exact_match_reward_func([ep], prompt=["q"])
 
 
 def test_rewards_plug_into_the_trainers_score():
     funcs = [M.load_object(f"rewards/triviaqa_reward.py:{f.__name__}", "reward") for f in R.OUTCOME_REWARD_FUNCS]
-    row = {"prompt": "Who won?", "aliases": ["Chicago Bears", "Bears"], "answer": "Chicago Bears", "question_id": "tc_10"}
-    eps = [M.Episode(row=row, messages=[{"role": "user", "content": row["prompt"]}, answer(a)], n_prompt_messages=1)
-           for a in ["Chicago Bears", "the Bears", "New England Patriots"]]
+    row = {
+        "prompt": "Who won?",
+        "aliases": ["Chicago Bears", "Bears"],
+        "answer": "Chicago Bears",
+        "question_id": "tc_10",
+    }
+    eps = [
+        M.Episode(row=row, messages=[{"role": "user", "content": row["prompt"]}, answer(a)], n_prompt_messages=1)
+        for a in ["Chicago Bears", "the Bears", "New England Patriots"]
+    ]
     assert M.score(eps, funcs, [1.0] * 4) == pytest.approx([1.9, 1.9, 0.4])
     assert eps[0].rewards["exact_match_reward_func"] == 1.0
 
 
 # --- wiki_search: local BM25 --------------------------------------------------------------------
+
 
 @pytest.fixture()
 def wiki(monkeypatch, tmp_path):
@@ -179,13 +238,20 @@ def test_a_passages_own_words_retrieve_it_first(wiki):
 def test_the_index_is_built_once_and_reused_from_disk(wiki):
     W.wiki_search("Horatio Hale ethnologist")
     assert W.STATS == {"builds": 1, "loads": 1}
-    [folder] = [p for p in os.listdir(os.environ["WIKI_SEARCH_CACHE"]) if os.path.isdir(os.path.join(os.environ["WIKI_SEARCH_CACHE"], p))]
+    [folder] = [
+        p
+        for p in os.listdir(os.environ["WIKI_SEARCH_CACHE"])
+        if os.path.isdir(os.path.join(os.environ["WIKI_SEARCH_CACHE"], p))
+    ]
     path = os.path.join(os.environ["WIKI_SEARCH_CACHE"], folder)
-    assert folder.startswith("wiki18_sample_1000.jsonl-") and json.load(open(os.path.join(path, "meta.json")))["passages"] == 1000
+    assert (
+        folder.startswith("wiki18_sample_1000.jsonl-")
+        and json.load(open(os.path.join(path, "meta.json")))["passages"] == 1000
+    )
     stamp = os.stat(os.path.join(path, "offsets.npy")).st_mtime_ns
-    W.wiki_search("Dibba Al-Hisn fort")                      # same process: the in-memory index
+    W.wiki_search("Dibba Al-Hisn fort")  # same process: the in-memory index
     assert W.STATS == {"builds": 1, "loads": 1}
-    W._INDEXES.clear()                                       # a new process: loaded from disk, not rebuilt
+    W._INDEXES.clear()  # a new process: loaded from disk, not rebuilt
     out = W.wiki_search("Horatio Hale ethnologist")
     assert W.STATS == {"builds": 1, "loads": 2} and "Horatio Hale" in out
     assert os.stat(os.path.join(path, "offsets.npy")).st_mtime_ns == stamp
@@ -220,13 +286,15 @@ def test_missing_corpus_and_empty_query_fail_clearly(wiki, monkeypatch, tmp_path
     with pytest.raises(ValueError, match="non-empty"):
         W.wiki_search("  ")
     monkeypatch.setenv("WIKI_SEARCH_CORPUS", str(tmp_path / "nope.jsonl"))
-    with pytest.raises(FileNotFoundError, match=r"corpus not found: .*nope\.jsonl\. Set WIKI_SEARCH_CORPUS.*wiki-18-corpus"):
+    with pytest.raises(
+        FileNotFoundError, match=r"corpus not found: .*nope\.jsonl\. Set WIKI_SEARCH_CORPUS.*wiki-18-corpus"
+    ):
         W.wiki_search("anything")
     # the trainer's environment hands the error to the model and counts it
     cfg = M.load_config(None, ["tools=[tools/wiki_search.py:wiki_search]", f"output_dir={tmp_path}/run"])
     env = M.MultiTurnToolEnv(None, [M.load_object(s) for s in cfg.tools], cfg)
     ep = M.Episode(row={"prompt": "q"}, messages=[], n_prompt_messages=0)
-    out, = env.run_tools([(ep, {"name": "wiki_search", "args": {"query": "x"}})])
+    (out,) = env.run_tools([(ep, {"name": "wiki_search", "args": {"query": "x"}})])
     assert out.startswith("Error: FileNotFoundError: wiki_search corpus not found") and ep.tool_errors == 1
     assert "wiki_search(query: str) -> str: Search Wikipedia" in env.system_prompt
 
@@ -239,7 +307,7 @@ def test_title_text_corpora_and_a_real_question_end_to_end(monkeypatch, tmp_path
             art = json.loads(line)
             words = art["text"].split()
             for j in range(0, len(words), 100):
-                f.write(json.dumps({"title": art["title"], "text": " ".join(words[j:j + 100])}) + "\n")
+                f.write(json.dumps({"title": art["title"], "text": " ".join(words[j : j + 100])}) + "\n")
     monkeypatch.setenv("WIKI_SEARCH_CORPUS", str(corpus))
     monkeypatch.setenv("WIKI_SEARCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("WIKI_SEARCH_URL", raising=False)
@@ -257,9 +325,11 @@ def test_title_text_corpora_and_a_real_question_end_to_end(monkeypatch, tmp_path
 
 # --- wiki_search: remote retriever --------------------------------------------------------------
 
+
 class Retriever(http.server.BaseHTTPRequestHandler):
     """Search-R1's retrieval_server.py, as far as wiki_search uses it: POST /retrieve."""
-    script = []          # per request: ("ok" | "500" | "garbage" | "slow")
+
+    script = []  # per request: ("ok" | "500" | "garbage" | "slow")
     bodies = []
 
     def do_POST(self):
@@ -267,14 +337,19 @@ class Retriever(http.server.BaseHTTPRequestHandler):
         Retriever.bodies.append((self.path, body))
         mode = Retriever.script.pop(0) if Retriever.script else "ok"
         if mode == "slow":
-            threading.Event().wait(1.0)           # (time.sleep is patched to speed up the client's backoff)
+            threading.Event().wait(1.0)  # (time.sleep is patched to speed up the client's backoff)
         if mode == "500":
             self.send_response(500)
             self.end_headers()
             self.wfile.write(b"internal error")
             return
-        docs = [{"document": {"id": str(i), "contents": f'"Doc {i} title"\npassage {i} about {body["queries"][0]}'}, "score": 10.0 - i}
-                for i in range(body["topk"])]
+        docs = [
+            {
+                "document": {"id": str(i), "contents": f'"Doc {i} title"\npassage {i} about {body["queries"][0]}'},
+                "score": 10.0 - i,
+            }
+            for i in range(body["topk"])
+        ]
         payload = b"{not json" if mode == "garbage" else json.dumps({"result": [docs]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -300,7 +375,7 @@ def remote(monkeypatch):
     monkeypatch.setenv("WIKI_SEARCH_CORPUS", "/nonexistent/never-read.jsonl")
     monkeypatch.delenv("WIKI_SEARCH_TOPK", raising=False)
     monkeypatch.delenv("WIKI_SEARCH_MAX_CHARS", raising=False)
-    monkeypatch.setattr(time, "sleep", lambda s, _sleep=time.sleep: _sleep(min(s, 0.01)))   # fast backoff, bounded
+    monkeypatch.setattr(time, "sleep", lambda s, _sleep=time.sleep: _sleep(min(s, 0.01)))  # fast backoff, bounded
     yield server
     server.shutdown()
     server.server_close()
@@ -309,9 +384,11 @@ def remote(monkeypatch):
 def test_remote_retriever_speaks_search_r1(remote):
     out = W.wiki_search("Eiffel Tower")
     assert Retriever.bodies == [("/retrieve", {"queries": ["Eiffel Tower"], "topk": 3, "return_scores": True})]
-    assert out == ("Doc 1 (Title: Doc 0 title)\npassage 0 about Eiffel Tower\n\n"
-                   "Doc 2 (Title: Doc 1 title)\npassage 1 about Eiffel Tower\n\n"
-                   "Doc 3 (Title: Doc 2 title)\npassage 2 about Eiffel Tower")
+    assert out == (
+        "Doc 1 (Title: Doc 0 title)\npassage 0 about Eiffel Tower\n\n"
+        "Doc 2 (Title: Doc 1 title)\npassage 1 about Eiffel Tower\n\n"
+        "Doc 3 (Title: Doc 2 title)\npassage 2 about Eiffel Tower"
+    )
 
 
 def test_remote_retriever_retries_then_fails_clearly(remote, monkeypatch):
@@ -334,11 +411,15 @@ def test_remote_retriever_retries_then_fails_clearly(remote, monkeypatch):
 
 # --- dataset ------------------------------------------------------------------------------------
 
+
 def test_fixture_rows_have_the_columns_and_a_deterministic_disjoint_split():
     path = fixture(TQA)
     train, ev = T.make_dataset("train", path=path, eval_size=3), T.make_dataset("eval", path=path, eval_size=3)
     assert (len(train), len(ev)) == (6, 3)
-    assert T.make_dataset("train", path=path, eval_size=3) == train and T.make_dataset("eval", path=path, eval_size=3) == ev
+    assert (
+        T.make_dataset("train", path=path, eval_size=3) == train
+        and T.make_dataset("eval", path=path, eval_size=3) == ev
+    )
     ids = [r["question_id"] for r in train + ev]
     assert len(set(ids)) == 9 and not {r["question_id"] for r in train} & {r["question_id"] for r in ev}
     for r in train + ev:
@@ -371,31 +452,54 @@ def test_recipe_functions_read_the_environment(monkeypatch):
 def test_official_json_parquet_and_flat_layouts(tmp_path):
     recs = [json.loads(line) for line in open(fixture(TQA))]
     want = T.rows_of(recs)
-    official = {"Data": [{"Question": r["question"], "QuestionId": r["question_id"],
-                          "Answer": {"Value": r["answer"]["value"], "Aliases": r["answer"]["aliases"],
-                                     "NormalizedAliases": r["answer"]["normalized_aliases"]}} for r in recs]}
+    official = {
+        "Data": [
+            {
+                "Question": r["question"],
+                "QuestionId": r["question_id"],
+                "Answer": {
+                    "Value": r["answer"]["value"],
+                    "Aliases": r["answer"]["aliases"],
+                    "NormalizedAliases": r["answer"]["normalized_aliases"],
+                },
+            }
+            for r in recs
+        ]
+    }
     (tmp_path / "official.json").write_text(json.dumps(official))
     assert T.rows_of(T.read_local(str(tmp_path / "official.json"))) == want
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "t.parquet")
     assert T.rows_of(T.read_local(str(tmp_path / "t.parquet"))) == want
-    flat = T.rows_of([{"prompt": "Capital of France?", "answer": "Paris"}, {"question": "2+2?", "aliases": ["4", "four"]},
-                      {"question": "Unanswered?", "answer": {"value": "", "aliases": []}}])
-    assert sorted((r["prompt"], tuple(r["aliases"])) for r in flat) == [("2+2?", ("4", "four")), ("Capital of France?", ("Paris",))]
+    flat = T.rows_of(
+        [
+            {"prompt": "Capital of France?", "answer": "Paris"},
+            {"question": "2+2?", "aliases": ["4", "four"]},
+            {"question": "Unanswered?", "answer": {"value": "", "aliases": []}},
+        ]
+    )
+    assert sorted((r["prompt"], tuple(r["aliases"])) for r in flat) == [
+        ("2+2?", ("4", "four")),
+        ("Capital of France?", ("Paris",)),
+    ]
 
 
 def test_hub_source_reads_train_and_validation_and_dedupes(monkeypatch):
     """The Hugging Face path, with load_dataset answered locally (no hub here): the real column mapping."""
     import datasets
+
     recs = [json.loads(line) for line in open(fixture(TQA))]
     calls = []
 
     def fake_load_dataset(name, config, split):
         calls.append((name, config, split))
         part = recs[:6] if split == "train" else recs[6:]
-        rows = [{"question": r["question"], "question_id": r["question_id"], "question_source": "x", "answer": r["answer"]}
-                for r in part + part[:2]]                                    # rc lists some questions twice
+        rows = [
+            {"question": r["question"], "question_id": r["question_id"], "question_source": "x", "answer": r["answer"]}
+            for r in part + part[:2]
+        ]  # rc lists some questions twice
         return datasets.Dataset.from_list(rows)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
@@ -404,6 +508,9 @@ def test_hub_source_reads_train_and_validation_and_dedupes(monkeypatch):
     monkeypatch.delenv("TRIVIAQA_TRAIN_SIZE", raising=False)
     train = T.train_rows()
     ev = T.make_dataset("eval", eval_size=2)
-    assert calls == [("mandarjoshi/trivia_qa", "rc.nocontext", "train"), ("mandarjoshi/trivia_qa", "rc.nocontext", "validation")]
+    assert calls == [
+        ("mandarjoshi/trivia_qa", "rc.nocontext", "train"),
+        ("mandarjoshi/trivia_qa", "rc.nocontext", "validation"),
+    ]
     assert len(train) == 6 and len(ev) == 2 and not {r["question_id"] for r in train} & {r["question_id"] for r in ev}
     assert train == T.rows_of(recs[:6])

@@ -1,5 +1,6 @@
 """VLLMServerClient against the vLLM 0.33 stand-in (tests/vllm_standin.py) on 127.0.0.1: the fields
 it sends, n for a group's first turn, max_tokens clamping, every fault, weight sync, and training."""
+
 import json
 import math
 import os
@@ -23,8 +24,17 @@ def server(tiny_model_dir):
 
 
 def client_for(srv, tmp_path, *overrides, vocab=None):
-    cfg = M.load_config(None, [f"vllm_server_url={srv.url}", "request_deadline=6", "request_timeout=3",
-                               f"weight_sync_dir={tmp_path}/shm", f"output_dir={tmp_path}/run", *overrides])
+    cfg = M.load_config(
+        None,
+        [
+            f"vllm_server_url={srv.url}",
+            "request_deadline=6",
+            "request_timeout=3",
+            f"weight_sync_dir={tmp_path}/shm",
+            f"output_dir={tmp_path}/run",
+            *overrides,
+        ],
+    )
     return M.VLLMServerClient(cfg, vocab or srv.vocab_size, stop_token_ids={srv.eos_id} if srv.tok else ())
 
 
@@ -34,12 +44,15 @@ def completions(srv):
 
 def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_ids(server, tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = recipe_cfg(tmp_path, f"vllm_server_url={server.url}", "max_tokens=12", "max_env_steps=1")
     client = M.VLLMServerClient(cfg, server.vocab_size, {tok.eos_token_id})
     env = M.MultiTurnToolEnv(tok, [M.load_object(s) for s in cfg.tools], cfg)
-    rows = [{"prompt": "what is alpha?", "key": "alpha", "value": "x"}] * 4 + [{"prompt": "what is bravo?", "key": "bravo", "value": "y"}] * 4
-    parsed, parse = [], client.completion   # every completion the client made of a reply, as it returned it
+    rows = [{"prompt": "what is alpha?", "key": "alpha", "value": "x"}] * 4 + [
+        {"prompt": "what is bravo?", "key": "bravo", "value": "y"}
+    ] * 4
+    parsed, parse = [], client.completion  # every completion the client made of a reply, as it returned it
     client.completion = lambda c, version=0: parsed.append(out := parse(c, version)) or out
     eps = env.rollout(rows, client)
     reqs = completions(server)
@@ -56,7 +69,7 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
     for ep in eps:
         for t in ep.turns:
             s = next(s for s in ep.samples if len(s.input_ids) >= t.prompt_len + t.sampled_len)
-            assert tuple(s.input_ids[:t.prompt_len]) in sent
+            assert tuple(s.input_ids[: t.prompt_len]) in sent
             span = slice(t.prompt_len, t.prompt_len + t.sampled_len)
             assert (s.input_ids[span], s.sampler_logprobs[span]) in [(c.ids, c.logprobs) for c in parsed]
             assert s.loss_mask[span] == [1] * t.sampled_len
@@ -70,7 +83,7 @@ def test_max_tokens_is_clamped_to_the_servers_context(tiny_model_dir, tmp_path):
         assert completions(srv)[-1]["body"]["max_tokens"] == 10
         assert len(out[0].ids) <= 10
         n = len(completions(srv))
-        full = client.generate([list(range(5, 45))], [48])   # no room at all: no request, a truncated turn
+        full = client.generate([list(range(5, 45))], [48])  # no room at all: no request, a truncated turn
         assert len(completions(srv)) == n and full[0].ids == [] and full[0].finish_reason == "length"
 
 
@@ -92,9 +105,14 @@ def test_503_while_paused_is_retried_until_resume(server, tmp_path):
     assert out[0].ids and time.time() - t >= 1.0
 
 
-@pytest.mark.parametrize("fault,message", [("omit_token_ids_next", "returned no token_ids"),
-                                           ("omit_logprobs_next", "returned no logprobs"),
-                                           ("bad_token_next", "outside the vocabulary")])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        ("omit_token_ids_next", "returned no token_ids"),
+        ("omit_logprobs_next", "returned no logprobs"),
+        ("bad_token_next", "outside the vocabulary"),
+    ],
+)
 def test_replies_we_cannot_trust_are_errors_never_samples(server, tmp_path, fault, message):
     client = client_for(server, tmp_path)
     getattr(server.faults, fault)(1)
@@ -132,13 +150,14 @@ def test_an_unreachable_server_names_the_url(tmp_path):
 def test_a_refused_request_is_not_retried(server, tmp_path):
     client = client_for(server, tmp_path)
     with pytest.raises(M.SamplerError, match="HTTP 400"):
-        client.generate([[5, 6, 7]], [4], stop=("a", "b", "c", "d", "e"))   # vLLM allows 4 stop strings
+        client.generate([[5, 6, 7]], [4], stop=("a", "b", "c", "d", "e"))  # vLLM allows 4 stop strings
     assert len(completions(server)) == 1
 
 
 def test_all_requests_are_in_flight_at_once(tmp_path):
     def backend(prompt, params):
         return [1, 2], [-0.5, -0.5], "stop"
+
     with StandinServer(backend=backend, vocab_size=100, max_model_len=64) as srv:
         srv.faults.set_latency(0.5)
         prompts = [[3, i] for i in range(24)]
@@ -154,6 +173,7 @@ def test_all_requests_are_in_flight_at_once(tmp_path):
 
 def test_weight_sync_reloads_new_weights_resets_the_cache_and_salts_by_version(server, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     client = client_for(server, tmp_path)
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode("what is alpha?")
     before = client.generate([prompt], [8], temperature=0.0)[0].ids
@@ -182,15 +202,22 @@ def test_weight_sync_reloads_new_weights_resets_the_cache_and_salts_by_version(s
 def test_nccl_sync_follows_vllms_native_weight_transfer_protocol(tiny_model_dir, tmp_path, monkeypatch):
     """No NCCL here: vLLM's two trainer-side helpers are replaced, the HTTP protocol is the stand-in's."""
     import types
+
     sent = []
     fake_common = types.SimpleNamespace(trainer_init=lambda info: ("group", info))
-    fake_packed = types.SimpleNamespace(packed_nccl_broadcast_producer=lambda it, group, src, post: sent.extend(post(kv) for kv in it))
-    for name, mod in {"vllm": types.ModuleType("vllm"), "vllm.distributed": types.ModuleType("d"),
-                      "vllm.distributed.weight_transfer": types.ModuleType("w"),
-                      "vllm.distributed.weight_transfer.nccl_common": fake_common,
-                      "vllm.distributed.weight_transfer.packed_tensor": fake_packed}.items():
+    fake_packed = types.SimpleNamespace(
+        packed_nccl_broadcast_producer=lambda it, group, src, post: sent.extend(post(kv) for kv in it)
+    )
+    for name, mod in {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.distributed": types.ModuleType("d"),
+        "vllm.distributed.weight_transfer": types.ModuleType("w"),
+        "vllm.distributed.weight_transfer.nccl_common": fake_common,
+        "vllm.distributed.weight_transfer.packed_tensor": fake_packed,
+    }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with StandinServer(tiny_model_dir, weight_transfer=True) as srv:
         client = client_for(srv, tmp_path, "weight_sync=nccl")
@@ -198,7 +225,14 @@ def test_nccl_sync_follows_vllms_native_weight_transfer_protocol(tiny_model_dir,
             client.sync_weights(model, model.state_dict(), version)
         calls = [r["path"] for r in srv.requests if r["path"] != "/v1/models"]
     assert calls[:2] == ["/get_world_size", "/init_weight_transfer_engine"], "the group is set up once"
-    one_sync = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    one_sync = [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+        "/resume",
+    ]
     assert calls[2:] == one_sync * 2
     assert len(sent) == 2 * len(model.state_dict()) and all(t.dtype == torch.bfloat16 for t in sent)
     assert client.policy_version == 2
@@ -215,10 +249,18 @@ def test_a_lora_sync_and_the_other_ranks_change_only_the_version_and_pause_nothi
         if path == "/v1/load_lora_adapter" and refuse:
             raise M.SamplerError("HTTP 404")
         return {"data": [{"id": "base", "max_model_len": 64}]} if path == "/v1/models" else {"text": ""}
+
     monkeypatch.setattr(M.VLLMServerClient, "request", request)
     adapter = type("Adapter", (), {"save_pretrained": lambda self, path, state_dict: os.makedirs(path)})()
-    cfg = M.load_config(None, ["vllm_server_url=http://127.0.0.1:9", f"weight_sync_dir={tmp_path}/shm",
-                               f"output_dir={tmp_path}/run", "lora_rank=4"])
+    cfg = M.load_config(
+        None,
+        [
+            "vllm_server_url=http://127.0.0.1:9",
+            f"weight_sync_dir={tmp_path}/shm",
+            f"output_dir={tmp_path}/run",
+            "lora_rank=4",
+        ],
+    )
     rank0, rank1 = M.VLLMServerClient(cfg, 100), M.VLLMServerClient(cfg, 100)
     rank0.sync_weights(adapter, {}, 1)
     rank1.sync_weights(None, None, 1)
@@ -234,12 +276,15 @@ def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     """A run that stops on an error while requests are in flight exits at once: the client's workers are
     daemons, so the interpreter does not wait out their request_timeout."""
     import subprocess
+
     server.faults.set_latency(30)
-    script = (f"import sys, threading, time\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
-              f"cfg = M.load_config(None, ['vllm_server_url={server.url}', 'output_dir={tmp_path}/run'])\n"
-              "c = M.VLLMServerClient(cfg, 100)\n"
-              "threading.Thread(target=c.generate, args=([[5, 6, 7]], [4]), daemon=True).start()\n"
-              "time.sleep(1)\nsys.exit(3)\n")
+    script = (
+        f"import sys, threading, time\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
+        f"cfg = M.load_config(None, ['vllm_server_url={server.url}', 'output_dir={tmp_path}/run'])\n"
+        "c = M.VLLMServerClient(cfg, 100)\n"
+        "threading.Thread(target=c.generate, args=([[5, 6, 7]], [4]), daemon=True).start()\n"
+        "time.sleep(1)\nsys.exit(3)\n"
+    )
     t = time.time()
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 3, r.stderr[-1000:]
@@ -247,17 +292,30 @@ def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     server.faults.set_latency(0)
 
 
-def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(server, tiny_model_dir, tmp_path,
-                                                                                          capsys):
-    common = [f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={server.url}",
-              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=2", "max_tokens=12", "save_steps=1",
-              "max_seq_len=600"]
+def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(
+    server, tiny_model_dir, tmp_path, capsys
+):
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"vllm_server_url={server.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "save_steps=1",
+        "max_seq_len=600",
+    ]
     M.train(recipe_cfg(tmp_path, *common, "max_steps=2"))
     assert "the server's max_model_len is below max_seq_len 600: it bounds episodes" in capsys.readouterr().out
     assert server.reloads == 3, "once before step 1 (the server may hold other weights), then after each step"
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(m["time/weight_sync"] > 0 for m in lines)
-    assert {r["cache_salt"].split("-")[1] for r in completions(server)} == {"v0", "v1", "probe"}   # probe: the sync check
+    assert {r["cache_salt"].split("-")[1] for r in completions(server)} == {
+        "v0",
+        "v1",
+        "probe",
+    }  # probe: the sync check
     assert len({r["cache_salt"].split("-")[0] for r in completions(server)}) == 1, "one run, one salt prefix"
     mark = len(server.requests)
     M.train(recipe_cfg(tmp_path, *common, "max_steps=3", "resume_from_checkpoint=auto"))
@@ -266,23 +324,39 @@ def test_training_against_the_server_syncs_every_step_and_before_generating_afte
     assert server.last_weights_path.endswith("step_3")
 
 
-def test_the_sync_check_adds_up_small_steps_and_stops_a_run_whose_reloads_do_nothing(server, tiny_model_dir, tmp_path,
-                                                                                      monkeypatch):
+def test_the_sync_check_adds_up_small_steps_and_stops_a_run_whose_reloads_do_nothing(
+    server, tiny_model_dir, tmp_path, monkeypatch
+):
     """At a learning rate whose one-step change on the probe is below the bf16 gap (a step may leave the bf16 weights
     as they were), a sync is not judged until the changes since the last judged one add up: a synced run never stops
     and follows the trainer at each judged sync; a run whose reloads do nothing stops after a few syncs."""
-    common = [*moving_run(tmp_path, tiny_model_dir), "model_builder=", f"vllm_server_url={server.url}",
-              f"weight_sync_dir={tmp_path}/shm", "prompts_per_step=2", "num_generations=4", "max_tokens=12",
-              "learning_rate=2e-5", "max_steps=10", "log_episodes_steps=0"]
+    common = [
+        *moving_run(tmp_path, tiny_model_dir),
+        "model_builder=",
+        f"vllm_server_url={server.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=4",
+        "max_tokens=12",
+        "learning_rate=2e-5",
+        "max_steps=10",
+        "log_episodes_steps=0",
+    ]
     hist = M.train(recipe_cfg(tmp_path / "synced", *common))
     judged = [m["step"] for m in hist if "sync/probe_follow" in m]
     assert 1 <= len(judged) <= 6 and judged[0] > 1, "only once the changes add up"
-    assert all(0.5 < m["sync/probe_follow"] < 1.5 for m in hist if m["step"] in judged), "the server followed the trainer"
+    assert all(0.5 < m["sync/probe_follow"] < 1.5 for m in hist if m["step"] in judged), (
+        "the server followed the trainer"
+    )
     probes = [r["cache_salt"] for r in completions(server) if "-probe" in r["cache_salt"]]
     assert probes[-3:] == [f"{probes[0].split('-')[0]}-probe-v{v}" for v in (8, 9, 10)], "no KV of older weights"
     skip_after_step_0 = M.VLLMServerClient.sync_weights
-    monkeypatch.setattr(M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v))
-    with pytest.raises(M.SyncCheckError, match=r"after step ([2-9]|10): since step 0 .* the server's by -?0\.00 of that"):
+    monkeypatch.setattr(
+        M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
+    )
+    with pytest.raises(
+        M.SyncCheckError, match=r"after step ([2-9]|10): since step 0 .* the server's by -?0\.00 of that"
+    ):
         M.train(recipe_cfg(tmp_path / "skipped", *common))
 
 
@@ -297,9 +371,20 @@ def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
 def standin_process(model_dir, tmp_path):
     """The stand-in in a process of its own, so that a test can kill it like a crashed server."""
     import subprocess
+
     port, log = M.free_port(), tmp_path / "server.log"
-    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "vllm_standin.py"), "--model", model_dir,
-                             "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "vllm_standin.py"),
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     url, deadline = f"http://127.0.0.1:{port}", time.time() + 60
     while time.time() < deadline:
         try:
@@ -312,12 +397,30 @@ def standin_process(model_dir, tmp_path):
 
 def trainer_against(url, model_dir, tmp_path, *overrides):
     import subprocess
-    return subprocess.Popen([sys.executable, "mt_grpo_trainer.py", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={model_dir}",
-                             "model_builder=", f"vllm_server_url={url}", f"output_dir={tmp_path}/run", f"weight_sync_dir={tmp_path}/shm",
-                             "prompts_per_step=2", "num_generations=2", "max_tokens=8", "max_steps=500", "save_steps=2",
-                             "request_deadline=1800", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MTGRPO_VLLM_LOG": str(tmp_path / "server.log")})
+
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "mt_grpo_trainer.py",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={model_dir}",
+            "model_builder=",
+            f"vllm_server_url={url}",
+            f"output_dir={tmp_path}/run",
+            f"weight_sync_dir={tmp_path}/shm",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=8",
+            "max_steps=500",
+            "save_steps=2",
+            "request_deadline=1800",
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MTGRPO_VLLM_LOG": str(tmp_path / "server.log")},
+    )
 
 
 def wait_for(path, timeout=120):
@@ -331,7 +434,7 @@ def test_a_dead_server_stops_the_run_within_server_dead_timeout_with_its_log(tin
     server, url, log = standin_process(tiny_model_dir, tmp_path)
     trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=5")
     wait_for(tmp_path / "run" / "checkpoint-2")
-    server.kill()                                    # the process is gone: connections are refused from now on
+    server.kill()  # the process is gone: connections are refused from now on
     t = time.time()
     out, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1, err[-2000:]
@@ -345,12 +448,16 @@ def test_a_dead_server_stops_the_run_within_server_dead_timeout_with_its_log(tin
 def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, tmp_path, monkeypatch):
     (tmp_path / "vllm.log").write_text("the engine died: out of memory\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")   # run.sh's default is relative, too
+    monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")  # run.sh's default is relative, too
     with StandinServer(tiny_model_dir) as srv:
-        client = M.VLLMServerClient(M.load_config(None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01",
-                                                         f"output_dir={tmp_path}/run"]), srv.vocab_size)
+        client = M.VLLMServerClient(
+            M.load_config(
+                None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01", f"output_dir={tmp_path}/run"]
+            ),
+            srv.vocab_size,
+        )
     os.chdir(tmp_path.parent)
-    client.check_alive(OSError("refused"))           # the server is gone: from now on it is down
+    client.check_alive(OSError("refused"))  # the server is gone: from now on it is down
     time.sleep(0.05)
     with pytest.raises(M.SamplerError, match="has not been healthy") as e:
         client.check_alive(OSError("refused"))
@@ -360,11 +467,12 @@ def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_dir, tmp_path, sig):
     import signal
+
     server, url, log = standin_process(tiny_model_dir, tmp_path)
     trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=600")
     wait_for(tmp_path / "run" / "checkpoint-2")
     server.kill()
-    time.sleep(3)                                    # the client is now retrying a refused connection
+    time.sleep(3)  # the client is now retrying a refused connection
     t = time.time()
     trainer.send_signal(getattr(signal, sig))
     out, err = trainer.communicate(timeout=60)
@@ -375,12 +483,24 @@ def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_di
     assert done and os.path.isfile(os.path.join(done, "trainer_state.pt"))
 
 
-def test_lora_against_a_server_without_lora_stops_at_the_first_sync_and_says_how_to_start_it(server, tiny_model_dir, tmp_path):
+def test_lora_against_a_server_without_lora_stops_at_the_first_sync_and_says_how_to_start_it(
+    server, tiny_model_dir, tmp_path
+):
     """A server started without --enable-lora has no /v1/load_lora_adapter (the stand-in answers 404, as vLLM does):
     the first adapter sync stops the run with the server's answer and the flags it needs, nothing is retried."""
-    cfg = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [
-        f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={server.url}", "lora_rank=4",
-        f"weight_sync_dir={tmp_path}/shm", f"output_dir={tmp_path}/run", "max_steps=1", "request_deadline=6"])
+    cfg = M.load_config(
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        [
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            f"vllm_server_url={server.url}",
+            "lora_rank=4",
+            f"weight_sync_dir={tmp_path}/shm",
+            f"output_dir={tmp_path}/run",
+            "max_steps=1",
+            "request_deadline=6",
+        ],
+    )
     with pytest.raises(M.SamplerError, match="needs a server started with --enable-lora") as e:
         M.train(cfg)
     assert "HTTP 404" in str(e.value) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(e.value)
@@ -398,11 +518,13 @@ def test_the_logprobs_mode_check_passes_a_token_at_the_edge_of_the_trainers_nucl
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     lp, raw = torch.log_softmax(logits / 0.7, -1), torch.log_softmax(logits, -1)
     kept = M.top_p_filter(lp, 0.9)
-    inside, edge = int(lp.argmax()), int(lp.masked_fill(kept.isfinite(), -math.inf).argmax())   # the best one left out
-    replies = {"processed": [(inside, kept[inside]), (edge, lp[edge]), (inside, kept[inside]), (inside, kept[inside])],
-               "raw": [(inside, raw[inside])] * 4}
+    inside, edge = int(lp.argmax()), int(lp.masked_fill(kept.isfinite(), -math.inf).argmax())  # the best one left out
+    replies = {
+        "processed": [(inside, kept[inside]), (edge, lp[edge]), (inside, kept[inside]), (inside, kept[inside])],
+        "raw": [(inside, raw[inside])] * 4,
+    }
 
-    class Sampler:   # a server whose nucleus held one token more than the trainer's
+    class Sampler:  # a server whose nucleus held one token more than the trainer's
         url, mode = "http://server", "processed"
 
         def generate(self, prompts, max_tokens, temperature, top_p):
@@ -410,7 +532,7 @@ def test_the_logprobs_mode_check_passes_a_token_at_the_edge_of_the_trainers_nucl
 
     run = M.Run(cfg, 0, 1, torch.device("cpu"))
     run.sampler, run.model = Sampler(), model
-    run.check_logprobs_mode(prompt)   # before: the edge token's infinite distance refused this server
+    run.check_logprobs_mode(prompt)  # before: the edge token's infinite distance refused this server
     run.sampler.mode = "raw"
     with pytest.raises(M.SamplerError, match="--logprobs-mode processed_logprobs"):
         run.check_logprobs_mode(prompt)

@@ -4,12 +4,51 @@ The table is built from a fixed seed, so the dataset, the tool and the rewards a
 sharing state. A model cannot answer from the question alone: it has to call `lookup` with the
 key the question names and copy the value from the result.
 """
+
 import random
 
-KEYS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
-        "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa"]
-VALUES = ["apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "frost", "lemon", "coral",
-          "amber", "cedar", "plum", "raven", "sage", "willow", "copper", "dune", "harbor", "meadow", "pepper"]
+KEYS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+]
+VALUES = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "ocean",
+    "ember",
+    "frost",
+    "lemon",
+    "coral",
+    "amber",
+    "cedar",
+    "plum",
+    "raven",
+    "sage",
+    "willow",
+    "copper",
+    "dune",
+    "harbor",
+    "meadow",
+    "pepper",
+]
 TABLE = dict(zip(KEYS, random.Random(1234).sample(VALUES, len(KEYS))))
 
 

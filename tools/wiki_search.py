@@ -30,6 +30,7 @@ Errors (missing corpus, retriever down) raise; the trainer's environment turns t
 "Error: ..." result the model sees and counts them as tool errors (rollout/tool_errors).
 The output never repeats the query, so a query cannot plant the answer in its own result.
 """
+
 import fcntl
 import hashlib
 import json
@@ -45,9 +46,9 @@ import requests
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CORPUS = "data/wiki-18.jsonl"
-INDEX_FORMAT = "bm25s-lucene-k1.5-b0.75-en-stem-v1"   # part of the cache key: change it when indexing changes
-STATS = {"builds": 0, "loads": 0}                      # index builds / loads from disk in this process
-_INDEXES: dict = {}                                    # cache key -> (BM25 retriever, line offsets)
+INDEX_FORMAT = "bm25s-lucene-k1.5-b0.75-en-stem-v1"  # part of the cache key: change it when indexing changes
+STATS = {"builds": 0, "loads": 0}  # index builds / loads from disk in this process
+_INDEXES: dict = {}  # cache key -> (BM25 retriever, line offsets)
 _LOCK = threading.Lock()
 
 
@@ -61,11 +62,13 @@ def _env_int(name: str, default: int) -> int:
 
 def _stemmer():
     import Stemmer
+
     return Stemmer.Stemmer("english")
 
 
 def _tokenize_queries(queries: list[str]) -> list[list[str]]:
     import bm25s
+
     return bm25s.tokenize(queries, stopwords="en", stemmer=_stemmer(), return_ids=False, show_progress=False)
 
 
@@ -82,6 +85,7 @@ def split_passage(doc: dict) -> tuple[str, str]:
 
 # --- local BM25 -------------------------------------------------------------------------------
 
+
 def corpus_path() -> str:
     path = os.path.abspath(os.path.expanduser(os.environ.get("WIKI_SEARCH_CORPUS", "").strip() or DEFAULT_CORPUS))
     if not os.path.isfile(path):
@@ -89,7 +93,8 @@ def corpus_path() -> str:
             f"wiki_search corpus not found: {path}. Set WIKI_SEARCH_CORPUS to a JSONL file with one passage per "
             'line ({"id", "contents": "\\"Title\\"\\ntext"}, as Search-R1\'s wiki-18). To get wiki-18: '
             "huggingface-cli download PeterJinGo/wiki-18-corpus --repo-type dataset --local-dir data && "
-            "gzip -d data/wiki-18.jsonl.gz. Or set WIKI_SEARCH_URL to a running Search-R1 retrieval server.")
+            "gzip -d data/wiki-18.jsonl.gz. Or set WIKI_SEARCH_URL to a running Search-R1 retrieval server."
+        )
     return path
 
 
@@ -118,6 +123,7 @@ def _read_corpus(path: str):
 def build_index(path: str, out: str) -> dict:
     """Index the corpus at `path` into folder `out` (atomically: built aside, then renamed). Returns its meta."""
     import bm25s
+
     t0 = time.time()
     tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
@@ -137,8 +143,14 @@ def build_index(path: str, out: str) -> dict:
         retriever.index((ids, tok.get_vocab_dict()), show_progress=False)
         retriever.save(tmp, show_progress=False)
         np.save(os.path.join(tmp, "offsets.npy"), np.asarray(offsets, dtype=np.int64))
-        meta = {"corpus": path, "size": os.path.getsize(path), "passages": len(offsets), "format": INDEX_FORMAT,
-                "bm25s": bm25s.__version__, "seconds": round(time.time() - t0, 2)}
+        meta = {
+            "corpus": path,
+            "size": os.path.getsize(path),
+            "passages": len(offsets),
+            "format": INDEX_FORMAT,
+            "bm25s": bm25s.__version__,
+            "seconds": round(time.time() - t0, 2),
+        }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
         os.rename(tmp, out)
@@ -155,9 +167,10 @@ def load_index(path: str):
         if out in _INDEXES:
             return _INDEXES[out]
         import bm25s
+
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if not os.path.isdir(out):
-            with open(out + ".lock", "w") as lock:        # one builder across processes (DDP ranks)
+            with open(out + ".lock", "w") as lock:  # one builder across processes (DDP ranks)
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     if not os.path.isdir(out):
@@ -180,7 +193,7 @@ def search_local(query: str, k: int) -> list[tuple[str, str, float]]:
     hits = []
     with open(path, "rb") as f:
         for i, s in zip(docs[0], scores[0]):
-            if s <= 0:                                     # no query term in the passage: not a hit
+            if s <= 0:  # no query term in the passage: not a hit
                 continue
             f.seek(int(offsets[int(i)]))
             title, text = split_passage(json.loads(f.readline()))
@@ -189,6 +202,7 @@ def search_local(query: str, k: int) -> list[tuple[str, str, float]]:
 
 
 # --- remote (Search-R1 retrieval server) ------------------------------------------------------
+
 
 def search_remote(url: str, query: str, k: int) -> list[tuple[str, str, float]]:
     timeout = float(os.environ.get("WIKI_SEARCH_TIMEOUT", "").strip() or 8)
@@ -204,22 +218,25 @@ def search_remote(url: str, query: str, k: int) -> list[tuple[str, str, float]]:
             err = RuntimeError(f"retriever {endpoint} unreachable: {type(e).__name__}: {e}")
         if attempt == retries:
             raise err
-        time.sleep(0.5 * 2 ** attempt)
+        time.sleep(0.5 * 2**attempt)
     if r.status_code != 200:
         raise RuntimeError(f"retriever {endpoint} answered HTTP {r.status_code}: {r.text[:200]}")
     try:
         items = r.json()["result"][0]
         hits = []
-        for item in items:   # {"document": {...}, "score": s} with return_scores, else the document itself
+        for item in items:  # {"document": {...}, "score": s} with return_scores, else the document itself
             doc = item["document"] if isinstance(item, dict) and "document" in item else item
             title, text = split_passage(doc)
             hits.append((title, text, float(item.get("score", 0.0)) if "document" in item else 0.0))
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-        raise RuntimeError(f"retriever {endpoint} sent an unexpected body ({type(e).__name__}: {e}): {r.text[:200]}") from None
+        raise RuntimeError(
+            f"retriever {endpoint} sent an unexpected body ({type(e).__name__}: {e}): {r.text[:200]}"
+        ) from None
     return hits[:k]
 
 
 # --- formatting and the tool ------------------------------------------------------------------
+
 
 def format_hits(hits: list[tuple[str, str, float]], max_chars: int) -> str:
     """'Doc i (Title: t)\\ntext' blocks, at most `max_chars` in all: each passage gets an equal share of
@@ -258,6 +275,7 @@ def wiki_search(query: str) -> str:
 
 if __name__ == "__main__":
     import argparse
+
     ap = argparse.ArgumentParser(description="Build the wiki_search BM25 index ahead of training, or try a query.")
     ap.add_argument("--build", action="store_true", help="build (or find) the index of WIKI_SEARCH_CORPUS")
     ap.add_argument("query", nargs="*", help="a query to run")
