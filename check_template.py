@@ -53,7 +53,7 @@ def simulate_episode(
             continue
         prompt = env.next_prompt(ep)
         eos = [eos_id] if eos_id is not None and not text.endswith(env.fmt.stop) else []  # a stop string: no EOS
-        ids = env.tok.encode(text, add_special_tokens=False) + eos
+        ids = env.chat.tok.encode(text, add_special_tokens=False) + eos
         seen.append((prompt, ids))
         env.run_tools([(ep, call) for call in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
         ep.done = False
@@ -87,7 +87,7 @@ def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list
             f"and {ep.realigned_tokens} realigned"
         )
     try:
-        env.check_tokenization(ep)
+        env.chat.check_tokenization(ep)
     except M.TokenizationMismatch as e:
         bad.append(f"I5: {e}")
     return bad

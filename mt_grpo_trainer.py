@@ -311,8 +311,10 @@ class Sample:
     think_tokens: int = 0  # <think> tokens in that prompt
     episode_tokens: int = 0  # trained tokens of its episode's samples (0: its own)
 
+    PER_TOKEN = ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions")  # filled as the sample grows
+
     def truncate(self, n: int, text: str):
-        for key in ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions"):
+        for key in self.PER_TOKEN:
             del getattr(self, key)[n:]
         self.text = text
 
@@ -351,6 +353,7 @@ class Episode:
     boundaries: list[dict] = field(default_factory=list)  # one per turn boundary: kind (tool|user), extends
     thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
+    UNDONE = ("forks", "realigns", "realigned_tokens", "thinking_tokens_kept")  # counts a prompt that is undone raises
 
     @property
     def completion(self) -> list[dict]:
@@ -361,19 +364,12 @@ class Episode:
         lists from its last turn on, where a REALIGN may cut them)."""
         s = self.samples[-1] if self.samples else None
         held = {k: v[s.last_prompt_len :] if isinstance(v, list) else v for k, v in vars(s).items()} if s else {}
-        return (
-            len(self.samples),
-            len(self.boundaries),
-            self.forks,
-            self.realigns,
-            self.realigned_tokens,
-            self.thinking_tokens_kept,
-            held,
-        )
+        return len(self.samples), len(self.boundaries), {k: getattr(self, k) for k in self.UNDONE}, held
 
     def undo(self, mark: tuple):
-        n, b, self.forks, self.realigns, self.realigned_tokens, self.thinking_tokens_kept, held = mark
+        n, b, counts, held = mark
         del self.samples[n:], self.boundaries[b:]
+        vars(self).update(counts)
         for k, v in held.items():
             if isinstance(v, list):
                 getattr(self.samples[-1], k)[held["last_prompt_len"] :] = v
@@ -391,74 +387,18 @@ def new_episode(row: dict, system_prompt: str) -> Episode:
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
 
-class RewardError(ConfigError):
-    """A reward function raised, hung, or returned the wrong length or a non-number: the run stops (I6)."""
-
-
-class Stopped(RewardError):
-    """SIGTERM or a first Ctrl-C while a reward function ran: train() drops the step, saves the last completed one."""
-
-
-def score(
-    episodes: list[Episode],
-    funcs: list,
-    weights: list[float],
-    timeout: float = Config.reward_timeout,
-    stop_event: threading.Event | None = None,
-) -> list[float]:
-    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`. Each runs in a worker
-    on its own copy of both (an edit it makes reaches neither the next function nor the episode), for at most
-    `timeout` seconds, and is abandoned at once when `stop_event` is set (a function may never return)."""
+def score(episodes: list[Episode], funcs: list, weights: list[float], timeout=Config.reward_timeout, stop_event=None):
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`, one value per episode;
+    each function's own value goes to ep.rewards (the reward/* metrics). `call_reward` (appendix F) runs each one
+    bounded by `timeout`, on its own copies, and checks what it returns."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
     total = [0.0] * len(episodes)
     for fn, w in zip(funcs, weights):
-        name = getattr(fn, "__name__", str(fn))
-        where = f"reward function '{name}' ({getattr(getattr(fn, '__code__', None), 'co_filename', type(fn).__name__)})"
-        own, cols = copy.deepcopy((completions, columns))
-        fut = reward_pool().submit(functools.partial(fn, own, **cols))
-        try:
-            err = call_exception(fut, timeout, stop_event)
-        except (concurrent.futures.TimeoutError, Stopped) as e:
-            reward_pool().add_worker()  # that worker may never come back: abandon it, keep the pool's size
-            raise (
-                e
-                if isinstance(e, Stopped)
-                else RewardError(
-                    f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected"
-                )
-            ) from None
-        if err:  # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
-            hint = (
-                "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
-            )
-            raise RewardError(
-                f"{where} raised {type(err).__name__}: {err}{hint}  (dataset columns: {', '.join(columns)})"
-            ) from err
-        vals = fut.result()
-        if not isinstance(vals, (list, tuple)) or len(vals) != len(episodes):
-            raise RewardError(f"{where} must return a list of {len(episodes)} floats, got {vals!r:.200}")
-        for i, (ep, v) in enumerate(zip(episodes, vals)):
-            if not (isinstance(v, (numbers.Real, np.bool_)) or (torch.is_tensor(v) and v.ndim == 0)):
-                raise RewardError(
-                    f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
-                    "return ints, floats or bools (numpy and 0-d torch scalars are fine)"
-                )
-            v = float(v)
-            if not math.isfinite(v):
-                raise RewardError(f"{where} returned {v} for episode {i}")
-            ep.rewards[name] = v
+        for i, v in enumerate(call_reward(fn, completions, columns, timeout, stop_event)):
+            episodes[i].rewards[reward_name(fn)] = v
             total[i] += w * v
     return total
-
-
-def check_rewards(rows: list[dict], funcs: list, system_prompt: str, timeout: float = Config.reward_timeout):
-    """Score two dummy episodes before model work: a reward function that raises, hangs (past `timeout`), lacks a
-    column or returns junk stops the run at once."""
-    eps = [new_episode(r, system_prompt) for r in rows[:2]]
-    for ep in eps:
-        ep.messages.append({"role": "assistant", "content": "."})  # a reply in no tool format: rewards must score it
-    score(eps, funcs, [1.0] * len(funcs), timeout)
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
@@ -569,25 +509,12 @@ LOSS_AGGREGATIONS = {"token_mean": token_mean, "sequence_mean": sequence_mean}
 
 
 def grpo_loss(
-    logp,
-    old_logp,
-    adv,
-    mask,
-    *,
-    epsilon: float,
-    epsilon_high: float,
-    aggregation: str,
-    num_tokens: int,
-    num_seqs: int,
-    seq_tokens=None,
-    beta: float = 0.0,
-    ref_logp=None,
-    is_weight=None,
+    logp, old_logp, sampler_logp, adv, mask, cfg: Config, num_tokens, num_seqs, seq_tokens=None, ref_logp=None
 ):
     """Token-level PPO-clip over `mask` tokens of a [B, T] micro-batch:
 
         loss_t = -min(r_t * A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A_t) * w_t + beta * KL_t,
-        r_t = exp(logp_t - old_t),  w_t = min(exp(old_t - sampler_t), is_ratio_cap)  (detached)
+        r_t = exp(logp_t - old_t),  w_t = min(exp(old_t - sampler_t), is_ratio_cap)  (detached; cap 0: w_t = 1)
 
     This is the decoupled PPO objective (Hilton et al. 2022, arXiv 2110.00641; AReaL, Fu et al. 2025, arXiv
     2505.24298), with the sampler as the behaviour policy mu and `old` as the proximal policy pi_old:
@@ -598,28 +525,29 @@ def grpo_loss(
     policy: slightly (bf16 on vLLM, other kernels), by design with top_p < 1 (the sampler reports the nucleus it drew
     from, the trainer scores the full distribution), and with max_staleness k >= 1 by up to k weight versions. With the
     whole batch's denominators, summed micro-batch losses give the whole batch's gradient (gradient accumulation).
-    `seq_tokens` [B]: the trained tokens of each row's episode (None: each row is an episode of its own)."""
+    `seq_tokens` [B]: the trained tokens of each row's episode (None: each row is an episode of its own). From `cfg`:
+    epsilon, epsilon_high, is_ratio_cap, beta, loss_aggregation. Returns the loss and sums over the masked tokens."""
     ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    if is_weight is not None:
-        per_token = per_token * is_weight
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+    is_weight = torch.exp(old_logp - sampler_logp).clamp(max=cfg.is_ratio_cap) if cfg.is_ratio_cap > 0 else None
+    per_token = -torch.min(ratio * adv, clipped * adv) * (1.0 if is_weight is None else is_weight)
     kl = torch.zeros_like(logp)
-    if beta > 0:
+    if cfg.beta > 0:
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || ref), >= 0
-        per_token = per_token + beta * kl
+        per_token = per_token + cfg.beta * kl
     mask = mask.to(logp.dtype)
     seq_tokens = mask.sum(-1) if seq_tokens is None else seq_tokens
-    loss = LOSS_AGGREGATIONS[aggregation](per_token, mask, seq_tokens, num_tokens, num_seqs)
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)  # clipped: min takes the clipped term, so the token gets no policy gradient
-        stats = {
-            "clip_frac": ((clipped * adv < ratio * adv).to(mask.dtype) * mask).sum() / n,
-            "kl": (kl * mask).sum() / n,
-            "ratio": (ratio * mask).sum() / n,
+    loss = LOSS_AGGREGATIONS[cfg.loss_aggregation](per_token, mask, seq_tokens, num_tokens, num_seqs)
+    with torch.no_grad():  # clipped: min takes the clipped term, so the token gets no policy gradient
+        sums = {
+            "loss/clip_frac": (clipped * adv < ratio * adv).to(mask.dtype),
+            "loss/kl": kl,
+            "loss/ratio": ratio,
+            "loss/is_weight": torch.zeros_like(logp) if is_weight is None else is_weight,
+            "rollout/sampler_logprob_diff": (old_logp - sampler_logp).abs(),  # the mismatch behind is_weight
         }
-    return loss, stats
+    return loss, {k: (v * mask).sum() for k, v in sums.items()}
 
 
 # === 4. Tool formats: how a call is written, parsed, and answered ========================
@@ -671,20 +599,12 @@ class NativeTools:
     def parse(self, text: str) -> tuple[dict, list]:
         calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
         if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return {
-                "role": "assistant",
-                "content": text,
-            }, calls  # no call, or a bad one kept as sampled (run_tools reports it)
+            return {"role": "assistant", "content": text}, calls  # no call, or a bad one as sampled (run_tools says)
         # templates put one "\n" between content and the first call: that one is theirs, not content
-        msg = {
-            "role": "assistant",
-            "content": text[: text.index("<tool_call>")].removesuffix("\n"),
-            "tool_calls": [
-                {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-                for c in calls
-            ],
-        }
-        return msg, calls
+        content = text[: text.index("<tool_call>")].removesuffix("\n")
+        functions = [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
+        calls_msg = [{"type": "function", "function": f} for f in functions]
+        return {"role": "assistant", "content": content, "tool_calls": calls_msg}, calls
 
     def result(self, text: str) -> dict:
         return {"role": "tool", "content": text}
@@ -701,174 +621,31 @@ class NativeTools:
 TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 
 
-def tool_schema(fn) -> dict:
-    """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
-    doc = inspect.getdoc(fn) or ""
-    arg_docs = (
-        dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M))
-        if "Args:" in doc
-        else {}
-    )
-    hints = typing.get_type_hints(fn)
-    json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
-    props, required = {}, []
-    for name, p in inspect.signature(fn).parameters.items():
-        t = hints.get(name, str)
-        props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
-        if name in arg_docs:
-            props[name]["description"] = arg_docs[name].strip()
-        if p.default is inspect.Parameter.empty:
-            required.append(name)
-    return {
-        "type": "function",
-        "function": {
-            "name": fn.__name__,
-            "description": doc.split("\n\n")[0].replace("\n", " "),
-            "parameters": {"type": "object", "properties": props, "required": required},
-        },
-    }
-
-
-def system_prompt_for(cfg: Config, tools: list) -> str:
-    lines = [
-        f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
-        for t in tools
-    ]  # name, signature, first paragraph of the docstring
-    return cfg.system_prompt.replace("{tools}", "\n".join(lines))
-
-
 # === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
-
-BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full rendering (see MultiTurnToolEnv.bridge)
-
-
-class TokenizationMismatch(RuntimeError):
-    pass
-
-
-class SyncCheckError(RuntimeError):
-    """After a weight sync the server's logprobs do not follow the trainer's weights: the run stops."""
 
 
 class MultiTurnToolEnv:
-    """Rollouts with tools and the token buffers that become samples (I1-I5); `next_prompt` shows one grow or fork."""
+    """Rollouts with tools, and the token buffers that become samples (I1-I6): `next_prompt` grows a sample or forks
+    one, `step` records a sampled turn, `run_tools` answers its calls. The chat template's side (rendering, the
+    held text, the fast path at tool boundaries, the episode-end check) is `ChatTemplate`, in the appendix."""
 
     def __init__(self, tokenizer, tools, cfg: Config):
-        self.tok, self.cfg = tokenizer, cfg
-        self.tools = {fn.__name__: fn for fn in tools}
+        self.cfg, self.tools = cfg, {fn.__name__: fn for fn in tools}
         self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
-        self.schemas, self.stop = self.fmt.schemas, self.fmt.stop
-        self.system_prompt = system_prompt_for(cfg, list(self.tools.values()))
-        self.bridge_checks = 0  # bridged prompts found equal to the full rendering so far; -1: the bridge is off
-        self.stubs = {}  # the bridge's stub -> its rendering without and with the generation prompt
+        self.chat = ChatTemplate(tokenizer, self.fmt, cfg)
+        self.stop, self.system_prompt = self.fmt.stop, system_prompt_for(cfg, list(self.tools.values()))
 
     @functools.cached_property
     def pool(self) -> DaemonPool:  # made on the first tool call: an env that runs no tool starts no threads
         return DaemonPool(32)
 
-    @functools.cached_property
-    def one_call_per_turn(self) -> bool:
-        """Whether the chat template refuses an assistant message with several tool calls (Llama 3.1's raises)."""
-        from jinja2 import TemplateError
-
-        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
-        with contextlib.suppress(TemplateError):
-            self.tok.apply_chat_template(
-                [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call, call]}],
-                tools=self.schemas,
-                tokenize=False,
-                **self.cfg.chat_template_kwargs,
-            )
-            return False
-        return True
-
     def new_episode(self, row: dict) -> Episode:
         ep = new_episode(row, self.system_prompt)
+        norm = self.chat.norm  # prompts as the tokenizer reads them
         ep.messages = [
-            {**m, "content": self.norm(m["content"])} if isinstance(m.get("content"), str) else m for m in ep.messages
+            {**m, "content": norm(m["content"])} if isinstance(m.get("content"), str) else m for m in ep.messages
         ]
         return ep
-
-    def norm(self, text: str) -> str:
-        """Text as the tokenizer reads it. Qwen's tokenizers NFC-normalise, so a decomposed character ("n\u0303") would
-        come back composed from its ids: the held text and a fresh rendering would differ (a false fork or mismatch)."""
-        from tokenizers import normalizers as N
-
-        n = getattr(getattr(self.tok, "backend_tokenizer", None), "normalizer", None)
-        if not isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) or unicodedata.is_normalized(type(n).__name__, text):
-            return text  # this quick check reads a long rendering 15x faster than the tokenizer's normalizer
-        return n.normalize_str(text)
-
-    def enc(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def dec(self, ids: list[int]) -> str:
-        """The ids' text, normalised as the tokenizer reads text (as a re-encoding gives it); ids stay as sampled."""
-        return self.norm(self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
-
-    def is_query(self, m: dict) -> bool:
-        """A user query: a user message that is not one of the tool format's results."""
-        return m["role"] == "user" and not self.fmt.is_result(m)
-
-    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
-        """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
-        template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
-        last user query, once a tool result is in it); all: every one."""
-        mode = self.cfg.thinking_retention
-        if mode == "all":
-            return set(raw)
-        if mode == "tool_cycle":
-            last_query = max((i for i, m in enumerate(messages) if self.is_query(m)), default=-1)
-            if any(map(self.fmt.is_result, messages[last_query + 1 :])):
-                return {i for i in raw if i > last_query}
-        return set()
-
-    def render(
-        self, messages, raw: dict[int, str], add_generation_prompt: bool = True, verbatim: set[int] | None = None
-    ) -> str:
-        """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
-        rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
-        of turns before the last multiple of N of the turns in `raw`."""
-        n = self.cfg.thinking_compaction_turns
-        cut = len(raw) // n * n if n else 0
-        compacted = set(sorted(raw)[:cut])
-        msgs = [
-            {**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)
-        ]
-        # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
-        final = set() if add_generation_prompt else {len(messages) - 1}
-        verbatim = self.verbatim_turns(messages, raw) if verbatim is None else verbatim
-        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
-        for i, h in holes.items():
-            msgs[i] = {"role": "assistant", "content": h}
-        text = self.tok.apply_chat_template(
-            msgs,
-            tools=self.schemas,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **self.cfg.chat_template_kwargs,
-        )
-        for i, h in holes.items():
-            assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
-            text = text.replace(h, raw[i])
-        return self.norm(text)  # sampled text and tool docstrings may hold what the tokenizer normalises
-
-    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
-        """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
-        `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
-        verbatim = self.verbatim_turns(messages, raw)  # the probe's extra user message must not change it
-        base = self.render(messages, raw, False, verbatim=verbatim)
-        hole = "\u27e6mt-grpo next\u27e7"  # followed by a user message, so it is rendered as history
-        probe = self.render(
-            messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}],
-            raw,
-            False,
-            verbatim=verbatim,
-        )
-        if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
-            return ""
-        gen, header = prompt_text[len(base) :], probe[len(base) : probe.index(hole)]
-        return gen[len(header) :] if gen.startswith(header) else ""
 
     def next_prompt(self, ep: Episode) -> list[int]:
         """Extend the episode's sample with the environment's tokens, or fork a new one (I4).
@@ -883,15 +660,15 @@ class MultiTurnToolEnv:
         Had the template rewritten A0 in R1 (Qwen3 drops past <think> blocks at a new user query), R1 would not
         start with P0 + A0: the sample closes as [P0][A0] and a new one starts as [R1][A1] (a fork, counted in
         rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks.
-        REALIGN: had R1 only dropped A0's trailing "\n" (Llama 3.1 trims content), A0's tokens up to it stay
-        trained and R1's rest is appended as context: [P0][A0 but "\n"][S1'], one sample (see `realign_point`)."""
-        s = ep.samples[-1] if ep.samples else None
-        text = (self.bridge(ep, s) if s else None) or self.render(ep.messages, ep.raw)
-        ep.forced = self.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
+        REALIGN: had R1 only dropped A0's trailing "\\n" (Llama 3.1 trims content), A0's tokens up to it stay
+        trained and R1's rest is appended as context: [P0][A0 but "\\n"][S1'], one sample (see `realign_point`)."""
+        chat, s = self.chat, ep.samples[-1] if ep.samples else None
+        text = (chat.bridge(ep, s) if s else None) or chat.render(ep.messages, ep.raw)
+        ep.forced = chat.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
         if s:
-            boundary = "user" if any(map(self.is_query, ep.messages[max(ep.raw, default=-1) + 1 :])) else "tool"
+            boundary = "user" if any(map(chat.is_query, ep.messages[max(ep.raw, default=-1) + 1 :])) else "tool"
             extends = text.startswith(s.text)
-            realign = None if extends else self.realign_point(s, text)
+            realign = None if extends else chat.realign_point(s, text)
             gone = sum(s.loss_mask[realign[0] :]) if realign else 0  # the last turn's sampled tokens REALIGN untrains
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
             if realign:
@@ -903,70 +680,39 @@ class MultiTurnToolEnv:
         if s is None:  # the episode's first prompt, or a fork
             ep.samples.append(s := Sample())
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
-        s.think_tokens += sum(len(self.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
-        self.append(s, self.enc(text[len(s.text) :]), mask=0)
+        s.think_tokens += sum(len(chat.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
+        chat.append(s, chat.enc(text[len(s.text) :]), mask=0)
         s.prompt_chars, ep.thinking_tokens_kept = len(s.text), ep.thinking_tokens_kept + s.think_tokens
         return list(s.input_ids)
 
-    def append(self, s: Sample, ids: list[int], **kw):
-        """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
-        whole sample) where that gives the same text, checked on the tokens either side (a split character, a combining
-        mark NFC joins to the one before); else the whole is decoded."""
-        dec, edge = self.dec, s.input_ids[-4:]
-        s.text = s.text + dec(ids) if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
-        s.append(ids, **kw)
-
-    def bridge(self, ep: Episode, s: Sample) -> str | None:
-        """The next prompt without rendering the whole conversation, at a tool boundary (the new messages are the
-        sampled turn and its tool results): the held text up to the last turn's generation prompt, then the
-        template's rendering of only the new messages after a stub of the first message and the last user query.
-        Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
-        thinking_retention other than template, and for good once it has differed from the full rendering on one
-        of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
-        last = max(ep.raw)  # the sampled assistant message
-        new = ep.messages[last:]
-        if (
-            self.bridge_checks < 0
-            or self.cfg.thinking_retention != "template"
-            or self.cfg.thinking_compaction_turns
-            or any(map(self.is_query, new))
-        ):
-            return None
-        query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
-        render = functools.partial(
-            self.tok.apply_chat_template, tools=self.schemas, tokenize=False, **self.cfg.chat_template_kwargs
-        )
-        stub = [ep.messages[i] for i in sorted({0, query})]
-        key = json.dumps([stub, self.cfg.chat_template_kwargs], sort_keys=True)  # a tool cycle's stub: render it once
-        if key not in self.stubs:
-            self.stubs = {
-                **(self.stubs if len(self.stubs) < 256 else {}),
-                key: (render(stub), render(stub, add_generation_prompt=True)),
-            }
-        (base, gen), full = self.stubs[key], render(stub + new, add_generation_prompt=True)
-        start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
-        text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
-        if self.bridge_checks < BRIDGE_CHECKS:
-            self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
-        return text if self.bridge_checks >= 0 else None
-
-    def realign_point(self, s: Sample, text: str) -> tuple[int, str] | None:
-        """REALIGN (a tail wobble, not a rewrite): the fresh rendering keeps everything before the last turn's sampled
-        tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
-        special tokens (a trimmed newline, a re-rendered end marker). Returns the held tokens to keep and their text, or None."""
-        lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
-        head, tail = s.text[: s.prompt_chars], s.input_ids[lp:]
-        if not n or not text.startswith(head):
-            return None
-        for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):  # keep the most sampled tokens that still match
-            kept = head + self.dec(tail[:k])
-            if text.startswith(kept):
-                gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-                rest = gone[
-                    len(os.path.commonprefix([gone, text[len(kept) :]])) :
-                ]  # what the fresh text does not repeat
-                return (lp + k, kept) if not rest.strip() else None
-        return None
+    def step(self, ep: Episode, c: Completion) -> list:
+        """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
+        t, s, chat = len(ep.turns), ep.samples[-1], self.chat
+        s.last_prompt_len = len(s.input_ids)
+        ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
+        chat.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
+        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in chat.tok.all_special_ids else c.ids  # the template adds EOS
+        text = chat.dec(content_ids)
+        msg, calls = self.fmt.parse(text)
+        if len(msg.get("tool_calls", ())) > 1 and chat.one_call_per_turn:  # the sampled text and one error result (I6)
+            err = f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran"
+            msg, calls = {"role": "assistant", "content": text}, [ValueError(err)]
+        ep.raw[len(ep.messages)] = ep.forced + text
+        ep.messages.append(msg)
+        s.n_messages = len(ep.messages)
+        if c.finish_reason == "length":
+            ep.done, ep.end_reason = True, "truncated"  # a cut tool call is never run
+        elif not text.strip():
+            ep.done, ep.end_reason = True, "empty"  # nothing (or only EOS) was sampled
+        elif not calls:
+            ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
+        elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:  # every call counts, several in one turn too
+            ep.done, ep.end_reason = True, "max_env_steps"
+        else:
+            if ep.first_result_turn is None:
+                ep.first_result_turn = t + 1
+            return calls
+        return []
 
     def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
         """Run one turn's tool calls, all episodes' at once, appending each result to its episode. Every failure
@@ -1005,50 +751,15 @@ class MultiTurnToolEnv:
             out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
             clean = out.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be tokenized: '?'
             ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
-            clean = self.norm(clean)
-            results.append(clean)
-            ep.messages.append(self.fmt.result(clean))
+            results.append(self.chat.norm(clean))
+            ep.messages.append(self.fmt.result(results[-1]))
         return results
-
-    def step(self, ep: Episode, c: Completion) -> list:
-        """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
-        t, s = len(ep.turns), ep.samples[-1]
-        s.last_prompt_len = len(s.input_ids)
-        ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
-        self.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
-        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in self.tok.all_special_ids else c.ids  # the template adds EOS
-        text = self.dec(content_ids)
-        msg, calls = self.fmt.parse(text)
-        if len(msg.get("tool_calls", ())) > 1 and self.one_call_per_turn:  # the sampled text and one error result (I6)
-            msg, calls = (
-                {"role": "assistant", "content": text},
-                [
-                    ValueError(
-                        f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran"
-                    )
-                ],
-            )
-        ep.raw[len(ep.messages)] = ep.forced + text
-        ep.messages.append(msg)
-        s.n_messages = len(ep.messages)
-        if c.finish_reason == "length":
-            ep.done, ep.end_reason = True, "truncated"  # a cut tool call is never run
-        elif not text.strip():
-            ep.done, ep.end_reason = True, "empty"  # nothing (or only EOS) was sampled
-        elif not calls:
-            ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
-        elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:  # every call counts, several in one turn too
-            ep.done, ep.end_reason = True, "max_env_steps"
-        else:
-            if ep.first_result_turn is None:
-                ep.first_result_turn = t + 1
-            return calls
-        return []
 
     def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
         active = eps = [self.new_episode(r) for r in rows]
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
+        knobs = (0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
         while active:
             prompts, budgets = [], []
             for ep in active:
@@ -1060,58 +771,16 @@ class MultiTurnToolEnv:
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
-                outs = sampler.generate(
-                    [prompts[i] for i in live],
-                    [budgets[i] for i in live],
-                    0.0 if greedy else self.cfg.temperature,
-                    self.cfg.top_p,
-                    self.stop,
-                    generator,
-                )
+                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs)
                 self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
             active = [ep for ep in active if not ep.done]
         for ep in eps:
-            assert all(
-                len(s.loss_mask) == len(s.sampler_logprobs) == len(s.turn_idx) == len(s.versions) == len(s.input_ids)
-                for s in ep.samples
-            ), "I2: out of step"
-            ep.tokenization_mismatches = self.check_tokenization(ep)
+            assert all(len({len(getattr(s, k)) for k in Sample.PER_TOKEN}) == 1 for s in ep.samples), "I2: out of step"
+            ep.tokenization_mismatches = self.chat.check_tokenization(ep)
         return eps
 
-    def check_tokenization(self, ep: Episode) -> int:
-        """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
-        generation prompt (a last turn rendered differently as history makes the next turn fork instead). Returns the
-        number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
-        mode, found = self.cfg.tokenization_check, 0
-        if mode == "off":
-            return 0
-        for k, s in enumerate(ep.samples):
-            if s.text != self.dec(s.input_ids):  # what the bridge and extension compared: a bug, not a template's
-                raise TokenizationMismatch(
-                    f"sample {k}'s held text is not its ids decoded: a bug in MultiTurnToolEnv.append"
-                )
-            if not s.n_messages:
-                continue
-            last = s.n_messages - 1  # the sample's last assistant message
-            held = self.dec(s.input_ids[: s.last_prompt_len])
-            fresh = self.render(ep.messages[:last], {i: r for i, r in ep.raw.items() if i < last})
-            if fresh == held:
-                continue
-            found += 1
-            if mode == "ignore_strippable" and "".join(fresh.split()) == "".join(held.split()):
-                continue
-            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
-            raise TokenizationMismatch(
-                f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
-                f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
-                f"  trained : ...{held[max(0, at - 80) : at + 80]!r}\n  template: ...{fresh[max(0, at - 80) : at + 80]!r}\n"
-                "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
-                "tokenization_check: ignore_strippable (whitespace-only differences) or off."
-            )
-        return found
 
-
-# === 6. The train step: token logprobs, micro-batches, num_iterations optimizer updates ===
+# === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
 
 LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in token_logprobs (64 MB)
 
@@ -1134,62 +803,6 @@ def token_logprobs(model, ids, attn, temperature: float):
     return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
 
 
-def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    T = max(len(s.input_ids) for s in samples)
-
-    def pad(key, fill, dtype):
-        return torch.tensor(
-            [getattr(s, key) + [fill] * (T - len(s.input_ids)) for s in samples], dtype=dtype, device=device
-        )
-
-    return {
-        "ids": pad("input_ids", pad_id, torch.long),
-        "mask": pad("loss_mask", 0, torch.long),
-        "sampler_logp": pad("sampler_logprobs", 0.0, torch.float32),
-        "adv": pad("advantages", 0.0, torch.float32),
-        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
-        "attn": torch.tensor([[1] * len(s.input_ids) + [0] * (T - len(s.input_ids)) for s in samples], device=device),
-    }
-
-
-def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
-    """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
-    if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    mbs: list[list[Sample]] = []
-    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
-        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
-            mbs[-1].append(s)
-        else:
-            mbs.append([s])
-    return mbs
-
-
-def prepare_microbatches(
-    model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device
-) -> tuple[list[dict], dict]:
-    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
-    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
-    Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
-    groups = make_microbatches(samples, cfg)
-    real, padded = all_reduce(
-        sum(len(s.input_ids) for s in samples), sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
-    )
-    n_mb = int(all_reduce(len(groups), op="max")[0])
-    filler = Sample(
-        input_ids=[pad_id], loss_mask=[0], sampler_logprobs=[0.0], turn_idx=[-1], versions=[-1], advantages=[0.0]
-    )
-    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
-    with torch.no_grad(), autocast(cfg, device):
-        for mb in mbs:
-            if cfg.num_iterations > 1:
-                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-            if cfg.beta > 0:  # with LoRA the reference is the policy itself with its adapters off
-                with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
-                    mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
-    return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
-
-
 def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
     """num_iterations optimizer updates on one rollout batch, accumulating over micro-batches. Each rank holds its
     own groups' samples; the loss is normalised by the global token and sequence counts and multiplied by the world
@@ -1203,76 +816,25 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
     mbs, info = prepare_microbatches(model, ref_model, samples, cfg, pad_id, device)
-    sums = {
-        "loss/policy": 0.0,
-        "loss/clip_frac": 0.0,
-        "loss/kl": 0.0,
-        "loss/ratio": 0.0,
-        "loss/is_weight": 0.0,
-        "rollout/sampler_logprob_diff": 0.0,
-    }  # mean |old - sampler| over trained tokens: the mismatch behind is_weight
-    for it in range(cfg.num_iterations):
+    sums = collections.Counter()  # means over the trained tokens and the iterations
+    for _ in range(cfg.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for j, mb in enumerate(mbs):
             with gradient_sync(model, j == len(mbs) - 1):  # reduce over ranks once, after the last micro-batch
                 with autocast(cfg, device):
                     logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
-                old = mb.get("old", logp.detach())
-                isw = (
-                    torch.exp(old - mb["sampler_logp"]).clamp(max=cfg.is_ratio_cap) * mb["mask"]
-                    if cfg.is_ratio_cap > 0
-                    else None
-                )
-                loss, st = grpo_loss(
-                    logp,
-                    old,
-                    mb["adv"],
-                    mb["mask"],
-                    epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    aggregation=cfg.loss_aggregation,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                    seq_tokens=mb["seq_tokens"],
-                    beta=cfg.beta,
-                    ref_logp=mb.get("ref"),
-                    is_weight=isw,
-                )
+                args = (mb["sampler_logp"], mb["adv"], mb["mask"], cfg, num_tokens, num_seqs, mb["seq_tokens"])
+                loss, token_sums = grpo_loss(logp, mb.get("old", logp.detach()), *args, ref_logp=mb.get("ref"))
                 (loss * world).backward()
-            w = mb["mask"].sum().item() / num_tokens / cfg.num_iterations
             sums["loss/policy"] += loss.item() / cfg.num_iterations
-            for k in ("clip_frac", "kl", "ratio"):
-                sums[f"loss/{k}"] += st[k].item() * w
-            if isw is not None:
-                sums["loss/is_weight"] += (isw.sum() / num_tokens).item() / cfg.num_iterations
-            if it == 0:
-                sums["rollout/sampler_logprob_diff"] += (
-                    (old - mb["sampler_logp"]).abs() * mb["mask"]
-                ).sum().item() / num_tokens
-        gn = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        )
+            sums.update({k: v.item() / num_tokens / cfg.num_iterations for k, v in token_sums.items()})
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         scheduler.step()
-    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # FSDP2 returns a DTensor
-    return {
-        **dict(zip(sums, all_reduce(*sums.values()))),
-        "loss/grad_norm": float(gn),
-        "loss/lr": scheduler.get_last_lr()[0],
-        **info,
-    }
-
-
-def lr_lambda(cfg: Config):
-    total = max(1, cfg.max_steps * cfg.num_iterations)
-
-    def f(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-        return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
-
-    return f
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    m = dict(zip(sums, all_reduce(*sums.values())))
+    return {**m, "loss/grad_norm": float(grad_norm), "loss/lr": scheduler.get_last_lr()[0], **info}
 
 
 # === 7. The training loop ================================================================
@@ -1325,54 +887,6 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         else {}
     )
     return [ep for g in kept + flat[:missing] for ep in g], {**m, "time/rollout": time.time() - t0}
-
-
-class RolloutProducer:
-    """max_staleness = k >= 1: a thread runs `collect` for the coming steps while the trainer updates. It may start
-    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead and
-    no token it samples is more than k versions older than the update; `take` hands the steps back in order. At k = 0
-    there is no thread: `take` runs `collect` then and there."""
-
-    def __init__(self, run, start: int):
-        self.run, self.k, self.closed = run, run.cfg.max_staleness, False
-        self.permits, self.ready = threading.Semaphore(self.k + 1), queue.Queue()
-        if self.k:
-            threading.Thread(target=self.work, args=(start,), daemon=True, name="mt-grpo-rollouts").start()
-
-    def work(self, start: int):
-        for step in range(start, self.run.cfg.max_steps):
-            self.permits.acquire()
-            if self.closed:
-                return
-            try:
-                self.ready.put(collect(self.run, step))
-            except BaseException as e:  # handed to the trainer, which raises it
-                return self.ready.put(e)
-
-    def take(self, step: int) -> tuple[list[Episode], dict]:
-        t0 = time.time()
-        out = self.ready.get() if self.k else collect(self.run, step)
-        if isinstance(out, BaseException):
-            raise out
-        episodes, m = out
-        m["time/wait_rollout"] = time.time() - t0
-        if self.k:  # how many versions before the update each trained token was sampled (the permits keep it <= k)
-            ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
-            m.update(
-                {
-                    "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
-                    "rollout/staleness_max": max(ages, default=0),
-                }
-            )
-        return episodes, m
-
-    def advance(self):
-        """The server now samples from the next weights: one more step's rollouts may start."""
-        self.permits.release()
-
-    def close(self):
-        self.closed = True
-        self.permits.release()
 
 
 def train(cfg: Config, eval_only: bool = False) -> list[dict]:
@@ -1750,7 +1264,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         if cfg.vllm_server_url
         else LocalSampler(run.model, run.tokenizer)
     )  # a new sampler: a line here
-    prompt_ids = run.env.enc(run.env.render(run.env.new_episode(run.rows[0]).messages, {}))
+    prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids[:64]  # the sync check's fixed sequence
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if not eval_only and run.sampler.policy_version is not None:  # eval is greedy; in-process they are the trainer's
@@ -1810,7 +1324,12 @@ def load_plugins(run: Run, eval_only: bool):
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
     run.eval_rows = load_rows(cfg.eval_dataset)[: cfg.eval_max_examples or None] if cfg.eval_dataset else []
-    check_rewards(run.rows, run.turn_fns + run.outcome_fns, system_prompt_for(cfg, run.tools), cfg.reward_timeout)
+    # before any model work, every reward function scores two replies in no tool format: one that raises, hangs,
+    # lacks a column or returns junk stops the run now
+    dummy = [new_episode(r, system_prompt_for(cfg, run.tools)) for r in run.rows[:2]]
+    for ep in dummy:
+        ep.messages.append({"role": "assistant", "content": "."})
+    score(dummy, run.turn_fns + run.outcome_fns, [1.0] * len(run.turn_fns + run.outcome_fns), cfg.reward_timeout)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
         raise ConfigError(
             f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
@@ -2569,12 +2088,60 @@ class VLLMServerClient:
     close = cleanup  # at the end of a run: no folder kept, this run's adapters unloaded
 
 
+class RolloutProducer:
+    """max_staleness = k >= 1: a thread runs `collect` for the coming steps while the trainer updates. It may start
+    step s once the server holds the weights of step s - k (a permit per sync), so it runs at most k steps ahead and
+    no token it samples is more than k versions older than the update; `take` hands the steps back in order. At k = 0
+    there is no thread: `take` runs `collect` then and there."""
+
+    def __init__(self, run, start: int):
+        self.run, self.k, self.closed = run, run.cfg.max_staleness, False
+        self.permits, self.ready = threading.Semaphore(self.k + 1), queue.Queue()
+        if self.k:
+            threading.Thread(target=self.work, args=(start,), daemon=True, name="mt-grpo-rollouts").start()
+
+    def work(self, start: int):
+        for step in range(start, self.run.cfg.max_steps):
+            self.permits.acquire()
+            if self.closed:
+                return
+            try:
+                self.ready.put(collect(self.run, step))
+            except BaseException as e:  # handed to the trainer, which raises it
+                return self.ready.put(e)
+
+    def take(self, step: int) -> tuple[list[Episode], dict]:
+        t0 = time.time()
+        out = self.ready.get() if self.k else collect(self.run, step)
+        if isinstance(out, BaseException):
+            raise out
+        episodes, m = out
+        m["time/wait_rollout"] = time.time() - t0
+        if self.k:  # how many versions before the update each trained token was sampled (the permits keep it <= k)
+            ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
+            m.update(
+                {
+                    "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
+                    "rollout/staleness_max": max(ages, default=0),
+                }
+            )
+        return episodes, m
+
+    def advance(self):
+        """The server now samples from the next weights: one more step's rollouts may start."""
+        self.permits.release()
+
+    def close(self):
+        self.closed = True
+        self.permits.release()
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id if model.generation_config else None
     return set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tokenizer.eos_token_id}
 
 
-# === D. Distributed: torchrun ranks, collectives, DDP/FSDP2 wrapping, full state dicts ===
+# === D. Distributed and batched: torchrun ranks, collectives, DDP/FSDP2, state dicts, micro-batches, LR schedule ===
 
 
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
@@ -2679,6 +2246,67 @@ def full_state(model, optimizer=None, fsdp: bool = False):
         {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
         get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None,
     )
+
+
+def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    T = max(len(s.input_ids) for s in samples)
+
+    def pad(rows, fill, dtype=torch.float32):
+        return torch.tensor([r + [fill] * (T - len(r)) for r in rows], dtype=dtype, device=device)
+
+    return {
+        "ids": pad([s.input_ids for s in samples], pad_id, torch.long),
+        "attn": pad([[1] * len(s.input_ids) for s in samples], 0, torch.long),
+        "mask": pad([s.loss_mask for s in samples], 0, torch.long),
+        "sampler_logp": pad([s.sampler_logprobs for s in samples], 0.0),
+        "adv": pad([s.advantages for s in samples], 0.0),
+        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
+    }
+
+
+def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
+    """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
+    if cfg.max_tokens_per_microbatch <= 0:
+        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
+    mbs: list[list[Sample]] = []
+    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
+        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
+            mbs[-1].append(s)
+        else:
+            mbs.append([s])
+    return mbs
+
+
+def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
+    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
+    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
+    Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
+    groups = make_microbatches(samples, cfg)
+    padded = sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
+    real, padded = all_reduce(sum(len(s.input_ids) for s in samples), padded)
+    n_mb = int(all_reduce(len(groups), op="max")[0])
+    filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
+    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
+    with torch.no_grad(), autocast(cfg, device):
+        for mb in mbs:
+            if cfg.num_iterations > 1:
+                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+            if cfg.beta > 0:  # with LoRA the reference is the policy itself with its adapters off
+                with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
+                    mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
+    return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
+
+
+def lr_lambda(cfg: Config):
+    total = max(1, cfg.max_steps * cfg.num_iterations)
+
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
+
+    return f
 
 
 # === E. Checkpoints and resume ===========================================================
@@ -3133,10 +2761,284 @@ def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: t
                 ) from None
 
 
+def tool_schema(fn) -> dict:
+    """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
+    doc = inspect.getdoc(fn) or ""
+    arg_docs = (
+        dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M))
+        if "Args:" in doc
+        else {}
+    )
+    hints = typing.get_type_hints(fn)
+    json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+    props, required = {}, []
+    for name, p in inspect.signature(fn).parameters.items():
+        t = hints.get(name, str)
+        props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
+        if name in arg_docs:
+            props[name]["description"] = arg_docs[name].strip()
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc.split("\n\n")[0].replace("\n", " "),
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
+
+
+def system_prompt_for(cfg: Config, tools: list) -> str:
+    lines = [
+        f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
+        for t in tools
+    ]  # name, signature, first paragraph of the docstring
+    return cfg.system_prompt.replace("{tools}", "\n".join(lines))
+
+
+class TokenizationMismatch(RuntimeError):
+    pass
+
+
+class SyncCheckError(RuntimeError):
+    """After a weight sync the server's logprobs do not follow the trainer's weights: the run stops."""
+
+
+class RewardError(ConfigError):
+    """A reward function raised, hung, or returned the wrong length or a non-number: the run stops (I6)."""
+
+
+class Stopped(RewardError):
+    """SIGTERM or a first Ctrl-C while a reward function ran: train() drops the step, saves the last completed one."""
+
+
+def reward_name(fn) -> str:
+    return getattr(fn, "__name__", str(fn))
+
+
+def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event=None) -> list[float]:
+    """`fn(completions, **columns)`, checked: one finite number per episode. It runs in a worker on its own copy of
+    both (an edit it makes reaches neither the next function nor the episode), for at most `timeout` seconds, and
+    is abandoned at once when `stop_event` is set (a function may never return)."""
+    file = getattr(getattr(fn, "__code__", None), "co_filename", type(fn).__name__)
+    where = f"reward function '{reward_name(fn)}' ({file})"
+    own, cols = copy.deepcopy((completions, columns))
+    fut = reward_pool().submit(functools.partial(fn, own, **cols))
+    try:
+        err = call_exception(fut, timeout, stop_event)
+    except (concurrent.futures.TimeoutError, Stopped) as e:
+        reward_pool().add_worker()  # that worker may never come back: abandon it, keep the pool's size
+        if isinstance(e, Stopped):
+            raise
+        raise RewardError(f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected")
+    if err:  # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
+        hint = "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
+        raise RewardError(
+            f"{where} raised {type(err).__name__}: {err}{hint}  (dataset columns: {', '.join(columns)})"
+        ) from err
+    vals = fut.result()
+    if not isinstance(vals, (list, tuple)) or len(vals) != len(completions):
+        raise RewardError(f"{where} must return a list of {len(completions)} floats, got {vals!r:.200}")
+    for i, v in enumerate(vals):
+        if not (isinstance(v, (numbers.Real, np.bool_)) or (torch.is_tensor(v) and v.ndim == 0)):
+            raise RewardError(
+                f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
+                "return ints, floats or bools (numpy and 0-d torch scalars are fine)"
+            )
+        if not math.isfinite(float(v)):
+            raise RewardError(f"{where} returned {float(v)} for episode {i}")
+    return [float(v) for v in vals]
+
+
 @functools.cache
 def reward_pool() -> DaemonPool:
     """The worker reward functions run on, made on first use: its caller waits with a bound (see score)."""
     return DaemonPool(1)
+
+
+# === G. The chat template: the text each prompt renders, and the text each sample holds ======================
+
+BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full rendering (see ChatTemplate.bridge)
+
+
+class ChatTemplate:
+    """The environment's side of the chat template: the conversation's text under thinking_retention (I5), each
+    sample's held text beside its ids, the bridge (a tool boundary's prompt without a full rendering), REALIGN's cut
+    point, and the episode-end tokenization check."""
+
+    def __init__(self, tokenizer, fmt, cfg: Config):
+        self.tok, self.fmt, self.cfg = tokenizer, fmt, cfg
+        self.bridge_checks = 0  # bridged prompts found equal to the full rendering so far; -1: the bridge is off
+        self.stubs = {}  # the bridge's stub -> its rendering without and with the generation prompt
+
+    def apply(self, messages: list[dict], add_generation_prompt=False) -> str:
+        """The template's text for `messages`, with the tools' schemas (native format) and chat_template_kwargs."""
+        kw = dict(tools=self.fmt.schemas, add_generation_prompt=add_generation_prompt, **self.cfg.chat_template_kwargs)
+        return self.tok.apply_chat_template(messages, tokenize=False, **kw)
+
+    @functools.cached_property
+    def one_call_per_turn(self) -> bool:
+        """Whether the chat template refuses an assistant message with several tool calls (Llama 3.1's raises)."""
+        from jinja2 import TemplateError
+
+        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        with contextlib.suppress(TemplateError):
+            self.apply(
+                [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call] * 2}]
+            )
+            return False
+        return True
+
+    def norm(self, text: str) -> str:
+        """Text as the tokenizer reads it. Qwen's tokenizers NFC-normalise, so a decomposed character ("n\u0303") would
+        come back composed from its ids: the held text and a fresh rendering would differ (a false fork or mismatch)."""
+        from tokenizers import normalizers as N
+
+        n = getattr(getattr(self.tok, "backend_tokenizer", None), "normalizer", None)
+        if not isinstance(n, (N.NFC, N.NFKC, N.NFD, N.NFKD)) or unicodedata.is_normalized(type(n).__name__, text):
+            return text  # this quick check reads a long rendering 15x faster than the tokenizer's normalizer
+        return n.normalize_str(text)
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def dec(self, ids: list[int]) -> str:
+        """The ids' text, normalised as the tokenizer reads text (as a re-encoding gives it); ids stay as sampled."""
+        return self.norm(self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    def is_query(self, m: dict) -> bool:
+        """A user query: a user message that is not one of the tool format's results."""
+        return m["role"] == "user" and not self.fmt.is_result(m)
+
+    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
+        """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
+        template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
+        last user query, once a tool result is in it); all: every one."""
+        mode = self.cfg.thinking_retention
+        if mode == "all":
+            return set(raw)
+        if mode == "tool_cycle":
+            last_query = max((i for i, m in enumerate(messages) if self.is_query(m)), default=-1)
+            if any(map(self.fmt.is_result, messages[last_query + 1 :])):
+                return {i for i in raw if i > last_query}
+        return set()
+
+    def render(self, messages, raw: dict[int, str], add_generation_prompt=True, verbatim: set | None = None) -> str:
+        """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
+        rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
+        of turns before the last multiple of N of the turns in `raw`."""
+        n = self.cfg.thinking_compaction_turns
+        compacted = set(sorted(raw)[: len(raw) // n * n if n else 0])
+        msgs = [
+            {**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)
+        ]
+        # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
+        final = set() if add_generation_prompt else {len(messages) - 1}
+        verbatim = self.verbatim_turns(messages, raw) if verbatim is None else verbatim
+        holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
+        for i, h in holes.items():
+            msgs[i] = {"role": "assistant", "content": h}
+        text = self.apply(msgs, add_generation_prompt=add_generation_prompt)
+        for i, h in holes.items():
+            assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
+            text = text.replace(h, raw[i])
+        return self.norm(text)  # sampled text and tool docstrings may hold what the tokenizer normalises
+
+    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
+        """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
+        `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
+        verbatim = self.verbatim_turns(messages, raw)  # the probe's extra user message must not change it
+        base = self.render(messages, raw, False, verbatim=verbatim)
+        hole = "\u27e6mt-grpo next\u27e7"  # followed by a user message, so it is rendered as history
+        probe = messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}]
+        probe = self.render(probe, raw, False, verbatim=verbatim)
+        if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
+            return ""
+        gen, header = prompt_text[len(base) :], probe[len(base) : probe.index(hole)]
+        return gen[len(header) :] if gen.startswith(header) else ""
+
+    def append(self, s: Sample, ids: list[int], **kw):
+        """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
+        whole sample) where that gives the same text, checked on the tokens either side (a split character, a combining
+        mark NFC joins to the one before); else the whole is decoded."""
+        dec, edge = self.dec, s.input_ids[-4:]
+        s.text = s.text + dec(ids) if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
+        s.append(ids, **kw)
+
+    def bridge(self, ep: Episode, s: Sample) -> str | None:
+        """The next prompt without rendering the whole conversation, at a tool boundary (the new messages are the
+        sampled turn and its tool results): the held text up to the last turn's generation prompt, then the
+        template's rendering of only the new messages after a stub of the first message and the last user query.
+        Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
+        thinking_retention other than template, and for good once it has differed from the full rendering on one
+        of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
+        last = max(ep.raw)  # the sampled assistant message
+        new, cfg = ep.messages[last:], self.cfg
+        if self.bridge_checks < 0 or cfg.thinking_retention != "template" or cfg.thinking_compaction_turns:
+            return None
+        if any(map(self.is_query, new)):
+            return None
+        query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
+        stub = [ep.messages[i] for i in sorted({0, query})]
+        key = json.dumps([stub, cfg.chat_template_kwargs], sort_keys=True)  # a tool cycle's stub: render it once
+        if key not in self.stubs:
+            kept = self.stubs if len(self.stubs) < 256 else {}
+            self.stubs = {**kept, key: (self.apply(stub), self.apply(stub, add_generation_prompt=True))}
+        (base, gen), full = self.stubs[key], self.apply(stub + new, add_generation_prompt=True)
+        start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
+        text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
+        if self.bridge_checks < BRIDGE_CHECKS:
+            self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
+        return text if self.bridge_checks >= 0 else None
+
+    def realign_point(self, s: Sample, text: str) -> tuple[int, str] | None:
+        """REALIGN (a tail wobble, not a rewrite): the fresh rendering keeps everything before the last turn's sampled
+        tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
+        special tokens (a trimmed newline, a re-rendered end marker). The held tokens to keep and their text, or None."""
+        lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
+        head, tail = s.text[: s.prompt_chars], s.input_ids[lp:]
+        if not n or not text.startswith(head):
+            return None
+        for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):  # keep the most sampled tokens that still match
+            kept = head + self.dec(tail[:k])
+            if text.startswith(kept):
+                gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                rest = gone[len(os.path.commonprefix([gone, text[len(kept) :]])) :]  # what the fresh text lacks
+                return (lp + k, kept) if not rest.strip() else None
+        return None
+
+    def check_tokenization(self, ep: Episode) -> int:
+        """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
+        generation prompt (a last turn rendered differently as history makes the next turn fork instead). Returns the
+        number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
+        mode, found = self.cfg.tokenization_check, 0
+        if mode == "off":
+            return 0
+        for k, s in enumerate(ep.samples):
+            if s.text != self.dec(s.input_ids):  # what the bridge and extension compared: a bug, not a template's
+                raise TokenizationMismatch(
+                    f"sample {k}'s held text is not its ids decoded: a bug in ChatTemplate.append"
+                )
+            if not s.n_messages:
+                continue
+            last = s.n_messages - 1  # the sample's last assistant message
+            held = self.dec(s.input_ids[: s.last_prompt_len])
+            fresh = self.render(ep.messages[:last], {i: r for i, r in ep.raw.items() if i < last})
+            if fresh == held:
+                continue
+            found += 1
+            if mode == "ignore_strippable" and "".join(fresh.split()) == "".join(held.split()):
+                continue
+            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
+            raise TokenizationMismatch(
+                f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
+                f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
+                f"  trained : ...{held[max(0, at - 80) : at + 80]!r}\n  template: ...{fresh[max(0, at - 80) : at + 80]!r}\n"
+                "Check the chat template with `python mt_grpo_trainer.py check-template`, or set "
+                "tokenization_check: ignore_strippable (whitespace-only differences) or off."
+            )
+        return found
 
 
 if __name__ == "__main__":

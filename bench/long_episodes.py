@@ -52,7 +52,7 @@ def tool_episode(tok, turns: int, bridge: bool):
         [search],
         M.Config(system_prompt="", tool_format="native", max_env_steps=10**6, tokenization_check="strict"),
     )
-    env.bridge_checks = 0 if bridge else -1  # -1: the bridge is off, every prompt is a full render
+    env.chat.bridge_checks = 0 if bridge else -1  # -1: the bridge is off, every prompt is a full render
     ep, times, prompts = env.new_episode({"prompt": "Find the answer."}), [], []
     for t in range(turns):
         t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def tool_episode(tok, turns: int, bridge: bool):
         )
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         env.run_tools([(ep, c) for c in env.step(ep, M.Completion(ids, [0.0] * len(ids), "stop"))])
-    assert env.check_tokenization(ep) == 0, "the episode-end check agrees with every prompt"
+    assert env.chat.check_tokenization(ep) == 0, "the episode-end check agrees with every prompt"
     return times, sum(len(s.input_ids) for s in ep.samples), len(ep.samples), prompts
 
 

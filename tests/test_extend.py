@@ -137,10 +137,10 @@ def test_a_registered_tool_format_owns_what_its_results_look_like(tok, tmp_path,
     assert ep.completion[1]["content"] == f"[[result]]\n{TABLE['golf']}\n[[/result]]" and ep.end_reason == "answer"
     assert ep.boundaries == [{"turn": t, "kind": "tool", "extends": True, "realigned": 0} for t in (1, 2)]
     assert len(ep.samples) == 1 and ep.first_result_turn == 1
-    assert env.bridge_checks == 2, "both tool boundaries' prompts were bridged (and equal to the full rendering)"
+    assert env.chat.bridge_checks == 2, "both tool boundaries' prompts were bridged (and equal to the full rendering)"
     cfg.thinking_retention = "tool_cycle"
-    assert env.verbatim_turns(ep.messages, ep.raw) == set(ep.raw), "the three turns are one tool cycle"
-    assert env.verbatim_turns(ep.messages + [{"role": "user", "content": "And?"}], ep.raw) == set()
+    assert env.chat.verbatim_turns(ep.messages, ep.raw) == set(ep.raw), "the three turns are one tool cycle"
+    assert env.chat.verbatim_turns(ep.messages + [{"role": "user", "content": "And?"}], ep.raw) == set()
     # check-template scripts the format with its own call_text and answer_text
     r = CT.check_template(tok, "tool_cycle", "bracket")
     assert [b["kind"] for b in r["boundaries"]] == ["tool", "tool", "user", "tool"] * 2 and r["violations"] == []
@@ -149,9 +149,9 @@ def test_a_registered_tool_format_owns_what_its_results_look_like(tok, tmp_path,
 def test_a_registered_tool_format_trains_a_step(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setitem(M.TOOL_FORMATS, "bracket", BracketTools)
     monkeypatch.setattr(M, "LocalSampler", lambda model, tok: ScriptedSampler(tok, CALLS + ["[answer]v[/answer]"]))
-    bridged, bridge = [], M.MultiTurnToolEnv.bridge
+    bridged, bridge = [], M.ChatTemplate.bridge
     monkeypatch.setattr(
-        M.MultiTurnToolEnv, "bridge", lambda env, ep, s: bridged.append(bridge(env, ep, s)) or bridged[-1]
+        M.ChatTemplate, "bridge", lambda chat, ep, s: bridged.append(bridge(chat, ep, s)) or bridged[-1]
     )
     hist = M.train(
         run_cfg(tmp_path, tiny_model_dir, "fmt", "max_steps=1", "log_episodes_steps=1", "tool_format=bracket")

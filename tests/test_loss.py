@@ -40,19 +40,8 @@ def test_loss_matches_direct_computation(agg, beta):
     ref = logp + 0.3 * torch.randn(B, T, generator=g)
     adv = torch.randn(B, T, generator=g)
     mask = (torch.rand(B, T, generator=g) > 0.3).long()
-    loss, _ = M.grpo_loss(
-        logp,
-        old,
-        adv,
-        mask,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        aggregation=agg,
-        num_tokens=int(mask.sum()),
-        num_seqs=B,
-        beta=beta,
-        ref_logp=ref,
-    )
+    cfg = M.Config(epsilon=0.2, epsilon_high=0.28, loss_aggregation=agg, beta=beta)
+    loss, _ = M.grpo_loss(logp, old, old, adv, mask, cfg, int(mask.sum()), B, ref_logp=ref)  # sampler = old: w = 1
     want = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, agg, beta, ref.tolist())
     assert abs(loss.item() - want) < 1e-5
 
@@ -62,20 +51,11 @@ def test_clipped_tokens_get_no_gradient_and_clip_frac_counts_exactly_those():
     # are outside [1 - eps, 1 + eps] too, but min takes their unclipped term: their gradient flows, so not clipped
     logp = torch.tensor([[0.5, -0.5, 0.1, -0.7, 0.4]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, -1.0]])
-    loss, st = M.grpo_loss(
-        logp,
-        torch.zeros(1, 5),
-        adv,
-        torch.ones(1, 5),
-        epsilon=0.2,
-        epsilon_high=0.2,
-        aggregation="token_mean",
-        num_tokens=5,
-        num_seqs=1,
-    )
+    zeros, cfg = torch.zeros(1, 5), M.Config(epsilon=0.2, epsilon_high=0.2)
+    loss, sums = M.grpo_loss(logp, zeros, zeros, adv, torch.ones(1, 5), cfg, 5, 1)
     loss.backward()
     assert (logp.grad[0] == 0).tolist() == [True, True, False, False, False]
-    assert st["clip_frac"].item() == pytest.approx(2 / 5)
+    assert sums["loss/clip_frac"].item() == pytest.approx(2)
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "sequence_mean"])
@@ -87,18 +67,8 @@ def test_an_episode_split_into_two_samples_weighs_what_it_weighs_in_one(agg):
     def loss(rows, seq_tokens):
         pad = [torch.nn.functional.pad(torch.stack([r, torch.ones_like(r)]), (0, 8 - len(r))) for r in rows]
         a, mask = torch.stack(pad).unbind(1)
-        return M.grpo_loss(
-            torch.zeros_like(a),
-            torch.zeros_like(a),
-            a,
-            mask,
-            epsilon=0.2,
-            epsilon_high=0.2,
-            aggregation=agg,
-            num_tokens=10,
-            num_seqs=2,
-            seq_tokens=torch.tensor(seq_tokens),
-        )[0].item()
+        zeros, cfg = torch.zeros_like(a), M.Config(loss_aggregation=agg)
+        return M.grpo_loss(zeros, zeros, zeros, a, mask, cfg, 10, 2, torch.tensor(seq_tokens))[0].item()
 
     split, whole = loss(adv, [8.0, 8.0, 2.0]), loss([torch.cat(adv[:2]), adv[2]], [8.0, 2.0])
     want = -(torch.cat(adv[:2]).mean() + adv[2].mean()) / 2 if agg == "sequence_mean" else -torch.cat(adv).mean()
@@ -260,19 +230,7 @@ def test_importance_weights_are_capped_from_above_and_carry_no_gradient(tiny, tm
     assert math.isfinite(m["loss/policy"])
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)
-    mask = torch.tensor([s.loss_mask])
-    M.grpo_loss(
-        logp,
-        logp.detach(),
-        torch.tensor([s.advantages]),
-        mask,
-        epsilon=0.2,
-        epsilon_high=0.2,
-        aggregation="token_mean",
-        num_tokens=3,
-        num_seqs=1,
-        is_weight=weight,
-    )[0].backward()
+    logp = M.token_logprobs(model, ids, torch.ones_like(ids), 1.0)  # ratio 1, inside the clip range: the loss by hand
+    (-(torch.exp(logp - logp.detach()) * torch.tensor([s.advantages]) * weight).sum() / 3).backward()
     for g, p in zip(got, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)

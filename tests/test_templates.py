@@ -69,7 +69,9 @@ def test_qwen3_drops_thinking_at_the_user_query_and_the_new_sample_is_what_the_s
     assert ep.samples[1].input_ids[: len(seen[2][0])] == seen[2][0]  # new sample = exactly the sampler's prompt
     assert (
         second
-        == qwen3.apply_chat_template(ep.messages[:-1], tools=env.schemas, tokenize=False, add_generation_prompt=True)
+        == qwen3.apply_chat_template(
+            ep.messages[:-1], tools=env.fmt.schemas, tokenize=False, add_generation_prompt=True
+        )
         + "<think>\nsure\n</think>\n\nYes.<|im_end|>"
     )
 
@@ -264,7 +266,7 @@ def test_native_tool_schema_from_signature_and_docstring(qwen3):
         },
     }
     env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], M.Config(system_prompt="", tool_format="native"))
-    text = env.render([{"role": "user", "content": "hi"}], {})
+    text = env.chat.render([{"role": "user", "content": "hi"}], {})
     assert json.dumps(schema) in text and "<tool_call>" in text
 
 
@@ -297,9 +299,9 @@ def test_tokenization_check_modes(tok, tmp_path):
                 with pytest.raises(
                     M.TokenizationMismatch, match="differs from a fresh rendering(.|\\n)*trained :(.|\\n)*template:"
                 ):
-                    env.check_tokenization(ep)
+                    env.chat.check_tokenization(ep)
             else:
-                assert env.check_tokenization(ep) == found
+                assert env.chat.check_tokenization(ep) == found
     finally:
         tok.chat_template = old
 
@@ -358,7 +360,7 @@ def test_realign_under_a_template_that_trims_content_keeps_one_sample_and_a_real
     s = ep.samples[0]
     assert [i for i, m in zip(s.input_ids, s.loss_mask) if m] == seen[0][1][:-2] + seen[1][1], "I1: sampled ids only"
     assert s.input_ids[: len(seen[1][0])] == seen[1][0], "the next prompt is the sample as realigned"
-    assert env.check_tokenization(ep) == 0
+    assert env.chat.check_tokenization(ep) == 0
     off_env = native_env(llama, realign_max_tokens=0)
     off, _ = CT.simulate_episode(off_env, script, llama.eos_token_id)
     assert len(off.samples) == 2 and off.forks == 1 and off.realigns == 0
@@ -404,7 +406,7 @@ def test_check_template_reports_realign_boundaries(qwen3, capsys):
 def bridge_episode(tok, turns, bridge=True):
     """A `turns`-turn native tool episode (check-template's scripted driver); the env, the episode and the prompts."""
     env = native_env(tok, system_prompt="You search.", max_env_steps=10**6)
-    env.bridge_checks = 0 if bridge else -1
+    env.chat.bridge_checks = 0 if bridge else -1
     call = '<think>\nstep {t}\n</think>\n\n<tool_call>\n{{"name": "_sim_search", "arguments": {{"query": "q{t}"}}}}\n</tool_call>'
     ep, seen = CT.simulate_episode(env, [("assistant", call.format(t=t)) for t in range(turns)], tok.eos_token_id)
     return env, ep, [prompt for prompt, _ in seen]
@@ -415,8 +417,8 @@ def test_the_bridge_gives_the_sampler_exactly_the_full_renderings_prompts(qwen3)
     full rendering gives, the bridge passed its checks and stayed on, and the episode-end check agrees."""
     env, ep, bridged = bridge_episode(qwen3, 40)
     _, ep_full, full = bridge_episode(qwen3, 40, bridge=False)
-    assert bridged == full and env.bridge_checks == M.BRIDGE_CHECKS and len(ep.samples) == 1
-    assert env.check_tokenization(ep) == 0 and ep.thinking_tokens_kept == ep_full.thinking_tokens_kept > 0
+    assert bridged == full and env.chat.bridge_checks == M.BRIDGE_CHECKS and len(ep.samples) == 1
+    assert env.chat.check_tokenization(ep) == 0 and ep.thinking_tokens_kept == ep_full.thinking_tokens_kept > 0
     s = ep.samples[0]
     assert s.text == qwen3.decode(s.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -431,14 +433,14 @@ def test_a_template_the_bridge_cannot_follow_turns_it_off_and_prompts_stay_exact
     assert "<tool_response #' ~ loop.index" in tok.chat_template
     env, ep, bridged = bridge_episode(tok, 6)
     _, _, full = bridge_episode(tok, 6, bridge=False)
-    assert env.bridge_checks == -1 and bridged == full and env.check_tokenization(ep) == 0
+    assert env.chat.bridge_checks == -1 and bridged == full and env.chat.check_tokenization(ep) == 0
 
 
 def test_a_held_text_that_is_not_the_ids_is_caught_by_the_episode_end_check(qwen3):
     env, ep, _ = bridge_episode(qwen3, 3)
     ep.samples[0].text += " "
     with pytest.raises(M.TokenizationMismatch, match="held text is not its ids decoded"):
-        env.check_tokenization(ep)
+        env.chat.check_tokenization(ep)
 
 
 @pytest.mark.parametrize("limit", ["max_seq_len", "server"])
@@ -496,7 +498,7 @@ def test_decomposed_unicode_from_a_tool_a_docstring_or_a_prompt_is_read_as_the_t
     assert "archive of La Ca\u00f1ada" in qwen3.decode(sampler.prompts[0])
     assert ep.end_reason == "answer" and ep.tool_calls == 2 and ep.tokenization_mismatches == 0
     assert len(ep.samples) == 1 and ep.forks == 0 and all(b["extends"] for b in ep.boundaries)
-    assert env.bridge_checks == 2, "the bridge stays on"
+    assert env.chat.bridge_checks == 2, "the bridge stays on"
     assert "Ca\u00f1ada" in ep.messages[0]["content"] and ep.messages[2]["content"] == nfd.replace("n\u0303", "\u00f1")
 
 
@@ -519,9 +521,9 @@ def test_decomposed_unicode_sampled_by_the_policy_then_a_fork_neither_stops_the_
         assert trained == sum(sampler.sent, []) and enc("\u0303")[0] in trained
         assert "Ca\u00f1ada" in ep.messages[1]["content"], "the conversation holds the sampled text composed"
     s, env = M.Sample(), native_env(qwen3)  # a combining mark at the start of appended ids joins the character before
-    env.append(s, enc("n"), mask=0)
-    env.append(s, enc("\u0303"), mask=0)
-    assert s.text == "\u00f1" == env.dec(s.input_ids) and qwen3.decode(s.input_ids) == "n\u0303"
+    env.chat.append(s, enc("n"), mask=0)
+    env.chat.append(s, enc("\u0303"), mask=0)
+    assert s.text == "\u00f1" == env.chat.dec(s.input_ids) and qwen3.decode(s.input_ids) == "n\u0303"
 
 
 def test_max_env_steps_counts_every_call_of_a_turn(qwen3):
