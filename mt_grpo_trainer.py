@@ -82,6 +82,10 @@ import yaml
 
 @dataclass
 class Config:
+    """Every recipe key: its type, default and docstring, which `--help` and docs/recipe-keys.md show. Beside a type,
+    `Annotated[type, rule]` says what the loader (appendix F) accepts: a range ('(0, 2]', '>= 1', 'finite'; every
+    number must be finite), or the choices (a tuple, or a registry whose keys they are: one registered counts too)."""
+
     # --- model and data
     model_name_or_path: str = ".cache/toy-kv-model-hd32"
     """HF hub id or local folder holding the policy model and its tokenizer."""
@@ -106,9 +110,9 @@ class Config:
     """Weights of `outcome_reward_funcs` (empty = all 1.0)."""
     reward_timeout: Annotated[float, "> 0"] = 300.0
     """Seconds one reward function call may run; past it the run stops with an error naming the function."""
-    tool_format: str = "xml"
+    tool_format: Annotated[str, TOOL_FORMATS] = "xml"
     """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
-    thinking_retention: str = "template"
+    thinking_retention: Annotated[str, ("template", "tool_cycle", "all")] = "template"
     """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep every past thinking block)."""
     thinking_compaction_turns: Annotated[int, ">= 0"] = 0
     """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per N; 0 = never)."""
@@ -120,7 +124,7 @@ class Config:
     """A tool result longer than this is cut (with a note saying so) before it is tokenized."""
     realign_max_tokens: Annotated[int, ">= 0"] = 16
     """REALIGN: a fresh rendering that departs from the held text only in the last turn's sampled tail, past which at most this many sampled tokens hold nothing but whitespace or special tokens, turns them into context (mask 0) in the same sample instead of forking (0 = always fork)."""
-    tokenization_check: str = "ignore_strippable"
+    tokenization_check: Annotated[str, ("strict", "ignore_strippable", "off")] = "ignore_strippable"
     """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
     prompts_per_step: Annotated[int, ">= 1"] = 8
@@ -144,7 +148,7 @@ class Config:
     max_staleness: Annotated[int, "[0, 8]"] = 0
     """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates, so a trained token is at most k weight versions old."""
     # --- advantages
-    advantage_mode: str = "mt_grpo"
+    advantage_mode: Annotated[str, ADVANTAGE_MODES] = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
     turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
@@ -157,7 +161,7 @@ class Config:
     """PPO clip range above 1: ratios over 1 + epsilon_high are clipped (DAPO's clip-higher)."""
     beta: Annotated[float, ">= 0"] = 0.0
     """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
-    loss_aggregation: str = "token_mean"
+    loss_aggregation: Annotated[str, LOSS_AGGREGATIONS] = "token_mean"
     """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean over episodes of each episode's mean token loss: an episode weighs the same however many samples it forked into)."""
     mask_truncated_completions: bool = False
     """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group)."""
@@ -174,7 +178,7 @@ class Config:
     """AdamW (beta1, beta2)."""
     max_grad_norm: Annotated[float, ">= 0"] = 1.0
     """Gradient clipping norm (0 = off)."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: Annotated[str, ("constant", "linear", "cosine")] = "constant"
     """constant | linear | cosine, after warmup."""
     warmup_steps: Annotated[int, ">= 0"] = 0
     """Optimizer updates of linear learning-rate warmup."""
@@ -184,7 +188,7 @@ class Config:
     """Samples per forward/backward pass; gradients accumulate over the batch."""
     max_tokens_per_microbatch: Annotated[int, ">= 0"] = 0
     """Token budget of a micro-batch (samples x longest, padding included), filled longest-first so padding stays small (0 = `micro_batch_size` samples per micro-batch)."""
-    mixed_precision: str = "auto"
+    mixed_precision: Annotated[str, ("auto", "bf16", "no")] = "auto"
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
@@ -214,7 +218,7 @@ class Config:
     """Seconds one HTTP attempt may take before it is retried."""
     request_deadline: Annotated[float, "> 0"] = 1800.0
     """Seconds a request may take with all its retries (exponential backoff) before the run stops with an error."""
-    weight_sync: str = "filesystem"
+    weight_sync: Annotated[str, ("filesystem", "nccl")] = "filesystem"
     """filesystem (safetensors + reload_weights) | nccl (vLLM's native weight-transfer endpoints; needs vllm on the trainer)."""
     weight_sync_dir: str = "/dev/shm/mt-grpo"
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
@@ -238,7 +242,7 @@ class Config:
     # --- logging and checkpoints
     output_dir: str = ""
     """Run folder (empty = runs/<recipe name>)."""
-    report_to: str = "none"
+    report_to: Annotated[str, ("none", "wandb")] = "none"
     """none | wandb (set WANDB_MODE=offline to log without network)."""
     wandb_project: str = "mt-grpo"
     """wandb project name."""
@@ -254,21 +258,7 @@ class Config:
     """'' (fresh run) | auto (the newest checkpoint in output_dir that verifies, if any) | PATH to a checkpoint folder."""
 
 
-def choices() -> dict[str, tuple]:
-    """The values each variant key accepts, read from the registries: a mode registered from outside is valid too."""
-    return {
-        "advantage_mode": tuple(ADVANTAGE_MODES),
-        "loss_aggregation": tuple(LOSS_AGGREGATIONS),
-        "tool_format": tuple(TOOL_FORMATS),
-        "lr_scheduler": ("constant", "linear", "cosine"),
-        "mixed_precision": ("auto", "bf16", "no"),
-        "report_to": ("none", "wandb"),
-        "weight_sync": ("filesystem", "nccl"),
-        "thinking_retention": ("template", "tool_cycle", "all"),
-        "tokenization_check": ("strict", "ignore_strippable", "off"),
-    }
-
-
+# Here, before section 3's RewardError derives from it; the loader that raises it is in appendix F.
 class ConfigError(ValueError):
     pass
 
@@ -981,24 +971,6 @@ def evaluate(run, step: int, record: bool = False) -> dict:
 
 
 # === 8. CLI ==============================================================================
-
-
-def print_help():
-    docs, hints, allowed, ranges = field_docs(), typing.get_type_hints(Config), choices(), field_ranges()
-    print(
-        __doc__.split("\n\nThe invariants")[0]
-        + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
-        "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
-        "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
-        "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:"
-    )
-    for name, default in dataclasses.asdict(Config()).items():
-        one_of = f"; one of {', '.join(allowed[name])}" if name in allowed else ""
-        one_of += f", range {ranges[name]}" if name in ranges else ""
-        print(
-            f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{one_of})\n"
-            f"      {docs.get(name, '')}"
-        )
 
 
 def main(argv=None):
@@ -2515,6 +2487,16 @@ def field_docs() -> dict[str, str]:
     }
 
 
+def field_rules() -> dict[str, str | tuple]:
+    """Field name -> the rule written beside it in Config as `Annotated[type, rule]`: a range, or a tuple of choices
+    (a registry's keys as they are now)."""
+    return {
+        k: rule if isinstance(rule, str) else tuple(rule)
+        for k, h in typing.get_type_hints(Config, include_extras=True).items()
+        for rule in getattr(h, "__metadata__", ())
+    }
+
+
 def in_range(value: float, interval: str) -> bool:
     """`value` against an interval written beside a field: '[a, b]', '(a, b]', '[a, b)', '>= a', '> a' or
     'finite' (every numeric key must be finite anyway)."""
@@ -2527,15 +2509,6 @@ def in_range(value: float, interval: str) -> bool:
         )
     op, bound = interval.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
-
-
-def field_ranges() -> dict[str, str]:
-    """Field name -> its valid range, from `Annotated[type, "range"]` in Config."""
-    return {
-        k: h.__metadata__[0]
-        for k, h in typing.get_type_hints(Config, include_extras=True).items()
-        if hasattr(h, "__metadata__")
-    }
 
 
 def _coerce(name: str, value, typ):
@@ -2564,7 +2537,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
-    hints, allowed, ranges = typing.get_type_hints(Config), choices(), field_ranges()
+    hints, rules = typing.get_type_hints(Config), field_rules()
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
@@ -2577,11 +2550,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             close = difflib.get_close_matches(k, hints, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
             raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
-        values[k] = _coerce(k, v, hints[k])
-        if k in allowed and values[k] not in allowed[k]:
-            raise ConfigError(f"config key '{k}' must be one of {', '.join(allowed[k])}, got {v!r}")
-        if k in ranges and not all(math.isfinite(x) and in_range(x, ranges[k]) for x in np.atleast_1d(values[k])):
-            kind = ranges[k] if ranges[k][0] in "<>f" else "in " + ranges[k]
+        values[k], rule = _coerce(k, v, hints[k]), rules.get(k)
+        if isinstance(rule, tuple) and values[k] not in rule:
+            raise ConfigError(f"config key '{k}' must be one of {', '.join(rule)}, got {v!r}")
+        if isinstance(rule, str) and not all(math.isfinite(x) and in_range(x, rule) for x in np.atleast_1d(values[k])):
+            kind = rule if rule[0] in "<>f" else "in " + rule
             raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
     for funcs, weights in (
@@ -2609,6 +2582,24 @@ def read_yaml(stream, where: str):
             problem += f" ({e.context} from line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
         fix = "save it as UTF-8 text" if isinstance(e, yaml.reader.ReaderError) else "quote values with ': ' or ' #'"
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
+
+
+def print_help():
+    docs, hints, rules = field_docs(), typing.get_type_hints(Config), field_rules()
+    print(
+        __doc__.split("\n\nThe invariants")[0]
+        + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
+        "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
+        "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
+        "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:"
+    )
+    for name, default in dataclasses.asdict(Config()).items():
+        rule = rules.get(name, "")
+        valid = f"; one of {', '.join(rule)}" if isinstance(rule, tuple) else f", range {rule}" if rule else ""
+        print(
+            f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{valid})\n"
+            f"      {docs.get(name, '')}"
+        )
 
 
 def load_object(spec: str, what: str = "object"):

@@ -105,18 +105,22 @@ def test_values_out_of_range_fail_before_anything_runs(tmp_path, override, messa
     assert not (tmp_path / "run").exists(), "nothing was written: not even config.yaml"
 
 
-def test_every_numeric_key_has_its_range_and_help_shows_it():
-    import dataclasses
+def test_every_numeric_key_has_its_range_every_variant_key_its_choices_and_help_shows_them():
     import typing
 
-    ranges, hints = M.field_ranges(), typing.get_type_hints(M.Config)
-    numeric = [f.name for f in dataclasses.fields(M.Config) if hints[f.name] in (int, float, list[float])]
-    assert sorted(ranges) == sorted(numeric)
-    for f in dataclasses.fields(M.Config):  # every default is inside its own range
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        assert f.name not in ranges or all(M.in_range(x, ranges[f.name]) for x in np.atleast_1d(default)), f.name
+    rules, hints = M.field_rules(), typing.get_type_hints(M.Config)
+    numeric = [k for k, t in hints.items() if t in (int, float, list[float])]
+    assert sorted(k for k, r in rules.items() if isinstance(r, str)) == sorted(numeric)
+    choices = {k: r for k, r in rules.items() if isinstance(r, tuple)}
+    assert choices["advantage_mode"] == tuple(M.ADVANTAGE_MODES) and choices["tool_format"] == tuple(M.TOOL_FORMATS)
+    for name, default in dataclasses.asdict(M.Config()).items():  # every default follows its own rule
+        if name in choices:
+            assert default in choices[name], name
+        elif name in rules:
+            assert all(M.in_range(x, rules[name]) for x in np.atleast_1d(default)), name
     h = cli("--help")
     assert "temperature (float, default 1.0, range (0, 2])" in h.stdout
+    assert "lr_scheduler (str, default 'constant'; one of constant, linear, cosine)" in h.stdout
 
 
 def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
