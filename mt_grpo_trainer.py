@@ -258,11 +258,6 @@ class Config:
     """'' (fresh run) | auto (the newest checkpoint in output_dir that verifies, if any) | PATH to a checkpoint folder."""
 
 
-# Here, before section 3's RewardError derives from it; the loader that raises it is in appendix F.
-class ConfigError(ValueError):
-    pass
-
-
 # === 2. Data types: what a rollout produces and the loss consumes ========================
 
 
@@ -2453,6 +2448,10 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
 
 
 # === F. Loading recipes, plug-ins and data; small utilities =========================
+
+
+class ConfigError(ValueError):
+    """A recipe, a plug-in or a dataset that cannot work: one line naming the file or key, and the fix."""
 
 
 class RecipeLoader(yaml.SafeLoader):
