@@ -7,6 +7,14 @@ tokens written *before the first tool result* their own turn-level advantage:
     A(token) = A_outcome                      after it                      (paper Eq. 5)
 
 so the query that found the answer is credited for finding it, not only for the final answer.
+In general every assistant turn k of an episode gets its own advantage, and its tokens take it:
+
+    A_k = Q_k - b(s_k),   Q_k = r_k + r_k+1 + ... + R_outcome   (the reward-to-go of turn k)
+
+where the baseline b may depend only on the state s_k the turn was sampled in, never on what the turn or its own
+trajectory did later (how many turns it took, above all). Branching rollouts make such baselines: an episode goes on
+b ways from the same tokens after a tool result, and the siblings' mean Q is b(s_k) (advantage_mode tree, any number
+of turns). Eq. 5 is the case of two segments split at the first tool result, each with its group as baseline.
 One training step, as `train()` runs it: rollout -> reward -> advantage -> update -> sync -> log -> save.
 
 The invariants (each has tests; comments below cite them as I1-I6):
@@ -53,6 +61,7 @@ import fcntl
 import hashlib
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import numbers
@@ -101,7 +110,7 @@ class Config:
     tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
     """Tool functions as `file.py:function`; the model calls each by its function name."""
     turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
-    """Turn-level reward functions (`file.py:function`), scored on the turns before the first tool result."""
+    """Turn-level reward functions (`file.py:function`). Per episode, a number (it scores the turns before the first tool result, and sits on the turn that called it) or a list with one number per assistant turn."""
     turn_reward_weights: Annotated[list[float], "finite"] = field(default_factory=list)
     """Weights of `turn_reward_funcs` (empty = all 1.0)."""
     outcome_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:exact_answer_reward"])
@@ -130,7 +139,11 @@ class Config:
     prompts_per_step: Annotated[int, ">= 1"] = 8
     """Distinct prompts per step (P); each is rolled out `num_generations` times."""
     num_generations: Annotated[int, ">= 2"] = 8
-    """Episodes per prompt (G): the group that GRPO normalises rewards within."""
+    """Episodes per prompt (G): the group that GRPO normalises rewards within; with branching, the leaves of its tree."""
+    branch_width: Annotated[int, "[1, 16]"] = 1
+    """Branching rollouts (advantage_mode tree): at each of an episode's first `branch_depth` tool results it goes on b ways from the same tokens, so G = roots x b^depth (1 = G independent episodes)."""
+    branch_depth: Annotated[int, "[1, 8]"] = 1
+    """With branch_width > 1: how many tool results (the first ones of each path) branch."""
     max_env_steps: Annotated[int, ">= 0"] = 2
     """Most tool calls per episode; a turn whose calls would pass it ends the episode, none of them run."""
     max_tokens: Annotated[int, ">= 1"] = 64
@@ -149,7 +162,7 @@ class Config:
     """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates, so a trained token is at most k weight versions old."""
     # --- advantages
     advantage_mode: Annotated[str, ADVANTAGE_MODES] = "mt_grpo"
-    """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR)."""
+    """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | mt_grpo_merged_fallback (the paper's code: GRPO-MR on episodes without a tool result) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR) | reward_to_go (per-turn rewards, prompt baseline) | tree (branching: sibling baselines, any number of turns)."""
     turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
@@ -288,6 +301,7 @@ class Sample:
     sampler_logprobs: list[float] = field(default_factory=list)
     turn_idx: list[int] = field(default_factory=list)  # assistant turn of the token, -1 if not sampled
     advantages: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # a token's weight in the loss: its node's leaves (see tree)
     n_messages: int = 0  # messages of the episode this sample covers
     last_prompt_len: int = 0  # tokens the sampler saw before this sample's last turn
     versions: list[int] = field(default_factory=list)  # policy version that sampled the token, -1 if not sampled
@@ -330,9 +344,14 @@ class Episode:
     realigns: int = 0  # boundaries where REALIGN kept one sample (next_prompt)
     realigned_tokens: int = 0  # sampled tokens REALIGN turned into context (mask 0)
     rewards: dict[str, float] = field(default_factory=dict)
+    turn_rewards: list[float] = field(default_factory=list)  # one per assistant turn; turn_reward is their sum
     turn_reward: float = 0.0
     outcome_reward: float = 0.0
     advantages: list[float] = field(default_factory=list)  # one per assistant turn (ep.turns): its tokens' advantage
+    group: int = 0  # its prompt's place in the batch: the episodes of a group share the prompt
+    node: tuple = ()  # branching: the path (root, child, ...) of the node that samples its next turn
+    turn_nodes: list[tuple] = field(default_factory=list)  # per assistant turn, the node that sampled it
+    shared_tokens: int = 0  # sampled tokens it holds as context: the path it branched from trains them
     raw: dict[int, str] = field(default_factory=dict)  # message index -> sampled text of that assistant turn
     forced: str = ""  # text the generation prompt forced on the next turn
     boundaries: list[dict] = field(default_factory=list)  # one per turn boundary: kind (tool|user), extends
@@ -372,21 +391,36 @@ def new_episode(row: dict, system_prompt: str) -> Episode:
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
 
-def score(episodes: list[Episode], funcs: list, weights: list[float], timeout=Config.reward_timeout, stop_event=None):
-    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list[float]`, one value per episode;
-    each function's own value goes to ep.rewards (the reward/* metrics). `call_reward` (appendix F) runs each one
-    bounded by `timeout`, on its own copies, and checks what it returns."""
+def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout, stop_event=None, per_turn=False):
+    """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list`, one value per episode; each
+    function's own value goes to ep.rewards (the reward/* metrics). Outcome functions give numbers. With `per_turn`
+    (turn functions) each episode's sum is a list, one per assistant turn: a function may give a list too, which adds
+    turn by turn, or a number, which scores the turns before the first tool result and sits on the turn that called
+    it (the last turn if none did). `call_reward` (appendix F) runs each one bounded by `timeout`, on its own copies,
+    and checks what it returns."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
-    total = [0.0] * len(episodes)
+    totals = [[0.0] * (max(len(ep.turns), 1) if per_turn else 1) for ep in episodes]
     for fn, w in zip(funcs, weights):
-        for i, v in enumerate(call_reward(fn, completions, columns, timeout, stop_event)):
-            episodes[i].rewards[reward_name(fn)] = v
-            total[i] += w * v
-    return total
+        for ep, total, v in zip(episodes, totals, call_reward(fn, completions, columns, timeout, stop_event, per_turn)):
+            ep.rewards[reward_name(fn)] = sum(v) if isinstance(v, list) else v
+            for k, x in enumerate(v) if isinstance(v, list) else [(calling_turn(ep) if per_turn else 0, v)]:
+                total[k] += w * x
+    return totals if per_turn else [t[0] for t in totals]
+
+
+def calling_turn(ep: Episode) -> int:
+    """The assistant turn that called the first tool (the last turn if none did)."""
+    return max(0, (ep.first_result_turn or len(ep.turns)) - 1)
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
+# MT-GRPO (Zeng et al. 2025, Eq. 5) gives the turns before the first tool result A_O + lambda A_T, the later turns A_O:
+# credit for two segments. For any number of turns, a turn k needs a baseline that depends only on its state, never on
+# how many turns its own trajectory took: normalising rewards per turn index across the group (verl RFC 7244) subtracts
+# a baseline whose number of terms depends on where the trajectory stopped, a hidden bonus for taking another turn. So
+# `tree` branches: siblings continue from the same tokens, the same state, and the mean of their reward-to-go is an
+# unbiased baseline (leave-one-out: exactly). Without branching, only the prompt is a shared state (reward_to_go).
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
@@ -399,15 +433,31 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     return centred / (r.std(ddof=1) + 1e-4) if scale else centred
 
 
+def leave_one_out(values, scale: bool = True) -> np.ndarray:
+    """Each value minus the mean of the others (an unbiased baseline: it does not depend on the value's own
+    trajectory), divided by the values' std with `scale` (as GRPO does; that division is not unbiased)."""
+    n = len(values)
+    return group_normalize(values, scale) * (n / (n - 1)) if n > 1 else np.zeros(n)
+
+
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """MT-GRPO (paper Eq. 5): A_O + coef * A_T on the turns before the first tool result (every turn without one),
     A_O on the later ones."""
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
-    a_t = cfg.turn_advantage_coef * group_normalize(turn_R, cfg.scale_rewards)
+    a_t = cfg.turn_advantage_coef * group_normalize([sum(r) for r in turn_R], cfg.scale_rewards)
     return [
         [float(o + t if ep.first_result_turn is None or i < ep.first_result_turn else o) for i in range(len(ep.turns))]
         for ep, o, t in zip(episodes, a_o, a_t)
     ]
+
+
+def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """MT-GRPO as the paper's released code computes it: an episode without a tool result gets GRPO-MR's merged
+    advantage on every turn instead of A_O + coef * A_T (mt_grpo reads Eq. 5 literally: all its turns come before the
+    first tool result)."""
+    merged = grpo_merged_advantages(episodes, turn_R, outcome_R, cfg)
+    split = mt_grpo_advantages(episodes, turn_R, outcome_R, cfg)
+    return [a if ep.first_result_turn else m for ep, a, m in zip(episodes, split, merged)]
 
 
 def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -417,41 +467,99 @@ def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Con
 
 def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """GRPO-MR: turn and outcome rewards merged into one scalar, on every turn."""
-    merged = group_normalize(np.add(turn_R, outcome_R), cfg.scale_rewards)
+    merged = group_normalize(np.add([sum(r) for r in turn_R], outcome_R), cfg.scale_rewards)
     return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, merged)]
 
 
+def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """Per-turn rewards without branching: turn k gets its reward-to-go (its own and later turns' rewards, and the
+    outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
+    that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it. Centred,
+    never scaled (scale_rewards does not apply: the returns' std is not a reward-to-go's)."""
+    returns = np.array([sum(r) + o for r, o in zip(turn_R, outcome_R)])
+    others = (returns.sum() - returns) / max(len(returns) - 1, 1)  # each episode's leave-one-out baseline
+    return [
+        [float(sum(r[k:]) + o - b) for k in range(len(ep.turns))]
+        for ep, r, o, b in zip(episodes, turn_R, outcome_R, others)
+    ]
+
+
+def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+    """Branching rollouts, any number of turns. A node is the run of turns one path samples between branch points
+    (`ep.turn_nodes`); its value Q is its turns' rewards plus, below it, the mean Q of its children (a leaf: its
+    episode's outcome). Its advantage is Q minus the mean Q of its siblings, which continued from the same tokens
+    (leave-one-out: a baseline from the same state, unbiased however each path ends); every turn of a node, on every
+    path through it, gets the node's advantage. Without branching each episode is one node and this is GRPO-MR with
+    a leave-one-out baseline."""
+    nodes = {}  # path -> [turn rewards per episode through it, its episodes' outcome if a leaf]
+    for ep, r, o in zip(episodes, turn_R, outcome_R):
+        for d in range(1, len(ep.node) + 1):
+            own = sum(x for x, n in zip(r, ep.turn_nodes) if n == ep.node[:d])
+            nodes.setdefault(ep.node[:d], [[], o if d == len(ep.node) else None])[0].append(own)
+
+    def q(path):  # a node's turns' rewards (the mean over its paths: a number may sit on any turn), then what follows
+        children = [p for p in nodes if len(p) == len(path) + 1 and p[:-1] == path]
+        rest = np.mean([q(c) for c in children]) if children else nodes[path][1]
+        return float(np.mean(nodes[path][0])) + rest
+
+    values = {p: q(p) for p in nodes}
+    advantage = {}
+    for parent in {p[:-1] for p in nodes}:
+        siblings = [p for p in nodes if p[:-1] == parent]
+        advantage.update(zip(siblings, leave_one_out([values[p] for p in siblings], cfg.scale_rewards)))
+    return [[float(advantage[n]) for n in ep.turn_nodes] for ep in episodes]
+
+
 # advantage_mode -> fn(episodes, turn_R, outcome_R, cfg) -> one list per episode of a group, one advantage per assistant
-# turn (ep.turns). A new mode is one function and one entry here (also from outside: M.ADVANTAGE_MODES["mine"] = fn).
+# turn (ep.turns). turn_R: per episode, its turn rewards, one per turn; outcome_R: one per episode. The branch structure
+# is ep.node and ep.turn_nodes. A new mode is one function and one entry here (from outside: M.ADVANTAGE_MODES[k] = fn).
 ADVANTAGE_MODES = {
     "mt_grpo": mt_grpo_advantages,
+    "mt_grpo_merged_fallback": mt_grpo_merged_fallback_advantages,
     "grpo_outcome": grpo_outcome_advantages,
     "grpo_merged": grpo_merged_advantages,
+    "reward_to_go": reward_to_go_advantages,
+    "tree": tree_advantages,
 }
+INDEPENDENT_MODES = set(ADVANTAGE_MODES) - {"tree"}  # modes that take a group's episodes as independent of each other
 
 
-def token_advantages(turn_idx, loss_mask, advantages: list[float]) -> list[float]:
-    """Per-token advantage: a token's advantage is its assistant turn's (`turn_idx` indexes `advantages`), 0 on
+def roots_per_prompt(cfg: Config) -> int:
+    """Episodes started per prompt: G, or with branching G / branch_width^branch_depth (the tree's roots)."""
+    return cfg.num_generations // (cfg.branch_width**cfg.branch_depth if cfg.branch_width > 1 else 1)
+
+
+def node_weight(node: tuple, cfg: Config) -> float:
+    """The leaves a node stands for in a full tree: b^(depth - its branchings). Its tokens, trained once, weigh that
+    much, so the loss is the loss of the G root-to-leaf paths in expectation (however many of them a path that stopped
+    early left unsampled); without branching, 1."""
+    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node))) if cfg.branch_width > 1 else 1.0
+
+
+def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
+    """Per-token values of a per-turn list: a token's is its assistant turn's (`turn_idx` indexes `per_turn`), 0 on
     untrained tokens."""
-    return [advantages[t] if m else 0.0 for t, m in zip(turn_idx, loss_mask)]
+    return [per_turn[t] if m else 0.0 for t, m in zip(turn_idx, loss_mask)]
 
 
-def assign_advantages(episodes: list[Episode], turn_R: list[float], outcome_R: list[float], cfg: Config):
-    """The heart of the method: per GRPO group (num_generations consecutive episodes), then per token.
-    Writes each episode's rewards and its per-turn advantages, and every sample's per-token advantages."""
-    G = cfg.num_generations
-    for g in range(0, len(episodes), G):
-        group = episodes[g : g + G]
-        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, turn_R[g : g + G], outcome_R[g : g + G], cfg)
+def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcome_R: list[float], cfg: Config):
+    """The heart of the method: per group (the episodes of one prompt), then per token. Writes each episode's rewards
+    and its per-turn advantages, and every sample's per-token advantages and loss weights."""
+    for _, members in itertools.groupby(zip(episodes, turn_R, outcome_R), key=lambda e: e[0].group):
+        group, trs, ors = map(list, zip(*members))
+        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, trs, ors, cfg)
         if [len(a) for a in per_turn] != [len(ep.turns) for ep in group]:
             raise ConfigError(
                 f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
                 f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns"
             )
-        for ep, tr, orr, adv in zip(group, turn_R[g : g + G], outcome_R[g : g + G], per_turn):
-            ep.turn_reward, ep.outcome_reward, ep.advantages = tr, orr, [float(a) for a in adv]
+        for ep, tr, orr, adv in zip(group, trs, ors, per_turn):
+            ep.turn_rewards, ep.turn_reward, ep.outcome_reward = tr[: len(ep.turns)], sum(tr), orr
+            ep.advantages = [float(a) for a in adv]
+            weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
             for s in ep.samples:
-                s.advantages = token_advantages(s.turn_idx, s.loss_mask, ep.advantages)
+                s.advantages = token_values(s.turn_idx, s.loss_mask, ep.advantages)
+                s.weights = token_values(s.turn_idx, s.loss_mask, weights)
 
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
@@ -460,11 +568,8 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
     Each kept sample notes its episode's trained tokens over the kept samples (what sequence_mean divides by)."""
     kept, rejected = [], 0
     for ep in episodes:
-        samples = [
-            s
-            for s in ep.samples
-            if any(s.loss_mask) and not (cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"))
-        ]
+        cut = cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context")
+        samples = [s for s in ep.samples if any(s.loss_mask) and not cut]
         finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
         for s in finite:
             s.episode_tokens = sum(sum(x.loss_mask) for x in finite)
@@ -675,6 +780,7 @@ class MultiTurnToolEnv:
         t, s, chat = len(ep.turns), ep.samples[-1], self.chat
         s.last_prompt_len = len(s.input_ids)
         ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
+        ep.turn_nodes.append(ep.node)
         chat.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         content_ids = c.ids[:-1] if c.ids and c.ids[-1] in chat.tok.all_special_ids else c.ids  # the template adds EOS
         text = chat.dec(content_ids)
@@ -741,8 +847,11 @@ class MultiTurnToolEnv:
         return results
 
     def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
-        """Run all episodes turn by turn; each turn samples every unfinished episode in one batch."""
+        """Run all episodes turn by turn; each turn samples every unfinished episode in one batch. `rows` holds each
+        prompt roots_per_prompt times in a row; with branching, an episode goes on b ways after a tool result."""
         active = eps = [self.new_episode(r) for r in rows]
+        for i, ep in enumerate(eps):
+            ep.group, ep.node = i // roots_per_prompt(self.cfg), (i,)
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
         knobs = (0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
         while active:
@@ -757,12 +866,33 @@ class MultiTurnToolEnv:
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
                 outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs)
-                self.run_tools([(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)])
-            active = [ep for ep in active if not ep.done]
+                pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
+                self.run_tools(pending)
+                if self.cfg.branch_width > 1 and not greedy:  # at the first branch_depth tool results of each path
+                    called = {id(ep): ep for ep, _ in pending if len(ep.node) <= self.cfg.branch_depth}
+                    eps = eps + [clone for ep in called.values() for clone in self.branch(ep)]
+            active = [ep for ep in eps if not ep.done]
+        eps.sort(key=lambda ep: ep.node)  # a group's episodes together, each path after the one it branched from
         for ep in eps:
             assert all(len({len(getattr(s, k)) for k in Sample.PER_TOKEN}) == 1 for s in ep.samples), "I2: out of step"
             ep.tokenization_mismatches = self.chat.check_tokenization(ep)
         return eps
+
+    def branch(self, ep: Episode) -> list[Episode]:
+        """After a tool result, the episode goes on branch_width ways from exactly its tokens (the same sampler
+        context): it becomes the first child, and b - 1 copies the others. A copy holds the shared tokens as context
+        (mask 0): each sampled token is trained once, by the path it stays on."""
+        clones = []
+        for j in range(1, self.cfg.branch_width):
+            clone = copy.deepcopy(ep)
+            clone.node = ep.node + (j,)
+            for s in clone.samples:  # as context: mask 0, no turn, no sampler logprob, no version
+                clone.shared_tokens += sum(s.loss_mask)
+                s.loss_mask, s.turn_idx = [0] * len(s.input_ids), [-1] * len(s.input_ids)
+                s.sampler_logprobs, s.versions = [0.0] * len(s.input_ids), [-1] * len(s.input_ids)
+            clones.append(clone)
+        ep.node += (0,)
+        return clones
 
 
 # === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
@@ -796,7 +926,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     world = dist.get_world_size() if dist.is_initialized() else 1
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
     shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
-    num_tokens, num_seqs = map(round, all_reduce(sum(sum(s.loss_mask) for s in samples), sum(shares)))
+    weights = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, as many as their weight says
+    num_tokens, num_seqs = map(round, all_reduce(weights, sum(shares)))
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -826,15 +957,12 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
 
 
 def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
-    """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated G times. They depend only on
-    (seed, step, draw), never on what ran before: a resumed run neither repeats nor skips a prompt."""
-    rng = random.Random(cfg.seed * 1_000_003 + step + 7_919_993 * draw)
-    picked = (
-        rng.sample(rows, cfg.prompts_per_step)
-        if len(rows) >= cfg.prompts_per_step
-        else rng.choices(rows, k=cfg.prompts_per_step)
-    )
-    return [r for r in picked for _ in range(cfg.num_generations)]
+    """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated roots_per_prompt times (G without
+    branching). They depend only on (seed, step, draw), never on what ran before: a resumed run neither repeats nor
+    skips a prompt."""
+    rng, P = random.Random(cfg.seed * 1_000_003 + step + 7_919_993 * draw), cfg.prompts_per_step
+    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)
+    return [r for r in picked for _ in range(roots_per_prompt(cfg))]
 
 
 def collect(run, step: int) -> tuple[list[Episode], dict]:
@@ -842,36 +970,34 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     sampling) a group whose episodes all get zero advantage, which teaches nothing and dilutes the batch, is dropped
     and new prompts are rolled out in its place, for up to max_filter_draws more rounds; then the last round's
     dropped groups fill what is still missing (they add only the KL term)."""
-    cfg, G, t0 = run.cfg, run.cfg.num_generations, time.time()
+    cfg, roots, t0 = run.cfg, roots_per_prompt(run.cfg), time.time()
     kept, flat, rows, drawn, extra = [], [], run.batch(step), [], 0
     for draw in range(cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1):
-        # 1. rollout: whole GRPO groups, every episode turn by turn, all at once
+        # 1. rollout: whole groups (a prompt's episodes, or its tree's paths), every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
-        # 2. reward: a turn-level and an outcome-level scalar per episode
-        turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop_event)
+        # 2. reward: turn-level rewards (one per turn) and an outcome-level scalar per episode
+        turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop_event, per_turn=True)
         outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop_event)
-        # 3. advantage: normalised within each group, one per assistant turn, which its tokens take
+        # 3. advantage: one per assistant turn, from its group (see ADVANTAGE_MODES), which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
-        drawn += outcome_R
-        groups = [episodes[g : g + G] for g in range(0, len(episodes), G)]
+        groups = [list(g) for _, g in itertools.groupby(episodes, key=lambda ep: ep.group)]
+        drawn += [[ep.outcome_reward for ep in g] for g in groups]
         flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
         kept += [g for g in groups if not any(g is f for f in flat)]
-        missing = len(run.batch(step)) // G - len(kept)
+        missing = len(run.batch(step)) // roots - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
-        rows = run.batch(step, draw + 1)[: missing * G]
+        rows = run.batch(step, draw + 1)[: missing * roots]
         extra += missing
-    # reward/outcome covers the trained groups only, biased by the filter: this covers every episode rolled out
-    m = (
-        {
-            "rollout/groups_filtered": len(drawn) // G - len(kept),
-            "rollout/extra_draws": extra,
-            "reward/outcome_before_filter": float(np.mean(drawn)),
-        }
-        if cfg.filter_zero_spread_groups
-        else {}
-    )
-    return [ep for g in kept + flat[:missing] for ep in g], {**m, "time/rollout": time.time() - t0}
+    groups = kept + flat[:missing]
+    for i, ep in ((i, ep) for i, g in enumerate(groups) for ep in g):
+        ep.group = i  # the step's groups, numbered anew across draws
+    m = {"time/rollout": time.time() - t0}
+    if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained: this every episode rolled out
+        outcomes = [r for g in drawn for r in g]
+        m.update({"rollout/groups_filtered": len(drawn) - len(kept), "rollout/extra_draws": extra})
+        m["reward/outcome_before_filter"] = float(np.mean(outcomes))
+    return [ep for g in groups for ep in g], m
 
 
 def train(cfg: Config, eval_only: bool = False) -> list[dict]:
@@ -1050,7 +1176,7 @@ class Run:
             print(msg, flush=True)
 
     def batch(self, step: int, draw: int = 0) -> list[dict]:
-        per_rank = self.cfg.prompts_per_step * self.cfg.num_generations // self.world
+        per_rank = self.cfg.prompts_per_step * roots_per_prompt(self.cfg) // self.world
         return rows_for_step(self.rows, self.cfg, step, draw)[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def generator(self, step: int, draw: int = 0) -> torch.Generator:
@@ -1461,12 +1587,15 @@ def episode_metrics(eps: list[Episode]) -> dict:
     # adv/*: the mean |advantage| of the assistant turns before the first tool result (every turn without one), and after
     before = [abs(a) for ep in eps for a in ep.advantages[: ep.first_result_turn]]
     after = [abs(a) for ep in eps if ep.first_result_turn for a in ep.advantages[ep.first_result_turn :]]
+    per_turn = [[ep.advantages[k] for ep in eps if k < len(ep.advantages)] for k in range(8)]  # the first 8 turns'
     return {
         "reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
         "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
         **{f"reward/{k}": float(np.mean([ep.rewards[k] for ep in eps])) for k in eps[0].rewards},
         "adv/before_abs": float(np.mean(before)) if before else 0.0,
         "adv/after_abs": float(np.mean(after)) if after else 0.0,
+        **{f"adv/turn{k}_abs": float(np.mean(np.abs(a))) for k, a in enumerate(per_turn) if a},
+        **{f"adv/turn{k}_mean": float(np.mean(a)) for k, a in enumerate(per_turn) if a},
         **rollout_metrics(eps),
     }
 
@@ -1496,6 +1625,19 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             f"rollout/tool_rate_turn{i}": sum(called(e) > i for e in eps) / n
             for i in range(max(map(called, eps), default=0))
         },
+        **(branch_metrics(eps) if any(len(e.node) > 1 for e in eps) else {}),
+    }
+
+
+def branch_metrics(eps: list[Episode]) -> dict:
+    """Branching: the paths per prompt, the branch points per prompt, and the sampled tokens a path holds as context
+    because a sibling samples and trains them (the shared prefixes, each sampled once)."""
+    groups = len({e.group for e in eps})
+    nodes = {(e.group, e.node[:d]) for e in eps for d in range(1, len(e.node) + 1)}
+    return {
+        "rollout/paths_per_prompt": len(eps) / groups,
+        "rollout/branch_points_per_prompt": len({(g, p[:-1]) for g, p in nodes if len(p) > 1}) / groups,
+        "rollout/shared_prefix_tokens": sum(e.shared_tokens for e in eps) / len(eps),
     }
 
 
@@ -1517,45 +1659,24 @@ class ToolCollapseAlarm:
         mean = sum(self.recent) / len(self.recent)
         self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
         was, self.on = self.on, self.fraction > 0 and mean < self.fraction * self.peak
+        if not self.on or was:
+            return ""
         return (
-            (
-                f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
-                f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}"
-            )
-            if self.on and not was
-            else ""
+            f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
+            f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}"
         )
 
 
-def episode_record(step: int, i: int, ep: Episode, cfg: Config) -> dict:
-    same = (
-        "messages",
-        "end_reason",
-        "tool_calls",
-        "tool_errors",
-        "forks",
-        "realigns",
-        "boundaries",
-        "tokenization_mismatches",
-        "rewards",
-        "turn_reward",
-        "outcome_reward",
-        "advantages",
-        "first_result_turn",
-    )  # under the field's own name
-    return {
-        "step": step,
-        "episode": i,
-        "group": i // cfg.num_generations,
-        **{k: getattr(ep, k) for k in same},
-        "samples": [
-            {
-                k: getattr(s, k)
-                for k in ("input_ids", "loss_mask", "sampler_logprobs", "advantages", "turn_idx", "versions")
-            }
-            for s in ep.samples
-        ],
-    }
+RECORDED = (
+    "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches rewards".split()
+)
+RECORDED += "turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
+
+
+def episode_record(step: int, i: int, group: int, ep: Episode) -> dict:
+    """An episode as episodes.jsonl holds it: its fields under their own names, and its samples' exact tensors."""
+    samples = [{k: getattr(s, k) for k in Sample.PER_TOKEN + ("advantages", "weights")} for s in ep.samples]
+    return {"step": step, "episode": i, "group": group, **{k: getattr(ep, k) for k in RECORDED}, "samples": samples}
 
 
 class MetricsLogger:
@@ -1582,11 +1703,10 @@ class MetricsLogger:
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
-        records = (
-            [episode_record(step, self.rank * len(episodes) + i, ep, self.cfg) for i, ep in enumerate(episodes)]
-            if dump
-            else []
-        )
+        records, G = [], self.cfg.num_generations
+        if dump:
+            first = self.rank * (self.cfg.prompts_per_step // self.world)  # this rank's first group
+            records = [episode_record(step, first * G + i, first + ep.group, ep) for i, ep in enumerate(episodes)]
         gathered = gather_to_rank0((m, records))
         if self.rank != 0:
             return
@@ -2224,7 +2344,7 @@ def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tenso
     return {
         "ids": pad([s.input_ids for s in samples], pad_id, torch.long),
         "attn": pad([[1] * len(s.input_ids) for s in samples], 0, torch.long),
-        "mask": pad([s.loss_mask for s in samples], 0, torch.long),
+        "mask": pad([s.weights or s.loss_mask for s in samples], 0.0),  # a trained token's weight, 0 elsewhere
         "sampler_logp": pad([s.sampler_logprobs for s in samples], 0.0),
         "adv": pad([s.advantages for s in samples], 0.0),
         "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
@@ -2565,9 +2685,29 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
     if len(cfg.adam_betas) != 2:
         raise ConfigError(f"adam_betas must be two numbers [beta1, beta2], got {cfg.adam_betas}")
+    check_branching(cfg)
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
     return cfg
+
+
+def check_branching(cfg: Config):
+    """branch_width > 1: G leaves from at least 2 roots, a mode that reads the tree, and token_mean."""
+    if cfg.branch_width == 1:
+        return
+    leaves = cfg.branch_width**cfg.branch_depth
+    if cfg.num_generations % leaves or cfg.num_generations // leaves < 2:
+        raise ConfigError(
+            f"num_generations={cfg.num_generations} must be a multiple of branch_width^branch_depth = {leaves}, at "
+            f"least twice (the roots of a tree, which need each other as baseline); e.g. num_generations={2 * leaves}"
+        )
+    if cfg.advantage_mode in INDEPENDENT_MODES:
+        raise ConfigError(
+            f"branch_width={cfg.branch_width} needs advantage_mode: tree; {cfg.advantage_mode} takes a group's "
+            "episodes as independent, and branches share their tokens"
+        )
+    if cfg.loss_aggregation != "token_mean":
+        raise ConfigError("branch_width > 1 needs loss_aggregation: token_mean (a shared token has no one episode)")
 
 
 def read_yaml(stream, where: str):
@@ -2807,8 +2947,9 @@ def reward_name(fn) -> str:
     return getattr(fn, "__name__", str(fn))
 
 
-def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event=None) -> list[float]:
-    """`fn(completions, **columns)`, checked: one finite number per episode. It runs in a worker on its own copy of
+def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event=None, per_turn=False) -> list:
+    """`fn(completions, **columns)`, checked: one finite number per episode (`per_turn`: or a list of them, one per
+    assistant message of the episode's completion). It runs in a worker on its own copy of
     both (an edit it makes reaches neither the next function nor the episode), for at most `timeout` seconds, and
     is abandoned at once when `stop_event` is set (a function may never return)."""
     file = getattr(getattr(fn, "__code__", None), "co_filename", type(fn).__name__)
@@ -2830,15 +2971,25 @@ def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event
     vals = fut.result()
     if not isinstance(vals, (list, tuple)) or len(vals) != len(completions):
         raise RewardError(f"{where} must return a list of {len(completions)} floats, got {vals!r:.200}")
-    for i, v in enumerate(vals):
+
+    def number(v, i: int) -> float:
         if not (isinstance(v, (numbers.Real, np.bool_)) or (torch.is_tensor(v) and v.ndim == 0)):
+            lists = " or a list of them, one per assistant turn" if per_turn else ""
             raise RewardError(
                 f"{where} returned {v!r:.100} for episode {i}, not a number but a {type(v).__name__}: "
-                "return ints, floats or bools (numpy and 0-d torch scalars are fine)"
+                f"return ints, floats or bools (numpy and 0-d torch scalars are fine){lists}"
             )
         if not math.isfinite(float(v)):
             raise RewardError(f"{where} returned {float(v)} for episode {i}")
-    return [float(v) for v in vals]
+        return float(v)
+
+    out = []
+    for i, (v, completion) in enumerate(zip(vals, completions)):
+        turns = sum(m["role"] == "assistant" for m in completion)
+        if per_turn and isinstance(v, (list, tuple)) and len(v) != turns:
+            raise RewardError(f"{where} returned {len(v)} values for episode {i}, which has {turns} assistant turns")
+        out.append([number(x, i) for x in v] if per_turn and isinstance(v, (list, tuple)) else number(v, i))
+    return out
 
 
 @functools.cache

@@ -54,14 +54,18 @@ GROUP = [(2, 1), (3, 1), (1, None), (1, 1)]
 
 
 def test_modes_give_one_advantage_per_turn_split_at_the_first_tool_result():
-    turn, out, cfg = [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], M.Config(turn_advantage_coef=0.5)
-    a_o, a_t = M.group_normalize(out), M.group_normalize(turn)
+    turn, out, cfg = (
+        [[1.0, 0.0], [0.0, 0.0, 0.0], [1.0], [0.0]],
+        [1.0, 1.0, 0.0, 0.0],
+        M.Config(turn_advantage_coef=0.5),
+    )
+    a_o, a_t = M.group_normalize(out), M.group_normalize([1.0, 0.0, 1.0, 0.0])
     eps = group(*GROUP)
     before = a_o + 0.5 * a_t
     want = [[before[0], a_o[0]], [before[1], a_o[1], a_o[1]], [before[2]], [before[3]]]
     assert M.ADVANTAGE_MODES["mt_grpo"](eps, turn, out, cfg) == want  # exact: today's numbers
     assert M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(a_o, GROUP)]
-    merged = M.group_normalize(np.add(turn, out))
+    merged = M.group_normalize(np.add([1.0, 0.0, 1.0, 0.0], out))
     assert M.ADVANTAGE_MODES["grpo_merged"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(merged, GROUP)]
     cfg.scale_rewards = False
     assert M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg)[0] == [0.5, 0.5]
@@ -70,10 +74,10 @@ def test_modes_give_one_advantage_per_turn_split_at_the_first_tool_result():
 def test_a_tokens_advantage_is_its_turns():
     turn_idx = [-1, -1, 0, 0, -1, -1, 1, 1, -1, 2]
     mask = [0, 0, 1, 1, 0, 0, 1, 1, 0, 1]
-    assert M.token_advantages(turn_idx, mask, [2.0, 0.5, -1.0]) == [0, 0, 2, 2, 0, 0, 0.5, 0.5, 0, -1]
+    assert M.token_values(turn_idx, mask, [2.0, 0.5, -1.0]) == [0, 0, 2, 2, 0, 0, 0.5, 0.5, 0, -1]
     eps = group(*GROUP)
     cfg = M.Config(num_generations=4, turn_advantage_coef=0.5)
-    M.assign_advantages(eps, [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], cfg)
+    M.assign_advantages(eps, [[1.0, 0.0], [0.0] * 3, [1.0], [0.0]], [1.0, 1.0, 0.0, 0.0], cfg)
     for ep in eps:
         [s] = ep.samples
         assert len(ep.advantages) == len(ep.turns) and any(ep.advantages)
@@ -87,4 +91,4 @@ def test_a_mode_that_does_not_give_one_advantage_per_turn_is_one_line(monkeypatc
         match=r"'per_episode' must return one advantage per assistant turn: it gave "
         r"\[1, 1, 1, 1\] for episodes of \[2, 3, 1, 1\] turns",
     ):
-        M.assign_advantages(group(*GROUP), [0.0] * 4, [1.0, 0.0, 0.0, 0.0], M.Config(advantage_mode="per_episode"))
+        M.assign_advantages(group(*GROUP), [[0.0]] * 4, [1.0, 0.0, 0.0, 0.0], M.Config(advantage_mode="per_episode"))

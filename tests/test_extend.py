@@ -16,7 +16,7 @@ from test_train import run_cfg
 
 def positive_only(episodes, turn_R, outcome_R, cfg):
     """A made-up mode: reinforce only episodes better than their group, on every turn."""
-    a = np.clip(M.group_normalize(np.add(turn_R, outcome_R), cfg.scale_rewards), 0.0, None)
+    a = np.clip(M.group_normalize(np.add([sum(r) for r in turn_R], outcome_R), cfg.scale_rewards), 0.0, None)
     return [[x] * len(ep.turns) for ep, x in zip(episodes, a)]
 
 
@@ -67,7 +67,7 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
     calls = []
     monkeypatch.setitem(M.ADVANTAGE_MODES, "positive_only", lambda *a: calls.append(a) or positive_only(*a))
     monkeypatch.setitem(M.LOSS_AGGREGATIONS, "sum_over_tokens", sum_over_tokens)
-    with pytest.raises(M.ConfigError, match="one of mt_grpo, grpo_outcome, grpo_merged, positive_only"):
+    with pytest.raises(M.ConfigError, match="one of mt_grpo, .*, tree, positive_only"):
         run_cfg(tmp_path, tiny_model_dir, "x", "advantage_mode=nope")
     hist = M.train(
         run_cfg(

@@ -1,0 +1,290 @@
+"""Turn-level credit for any number of turns: per-turn rewards, the advantage modes on hand-built groups, branching
+rollouts (each sampled token trained once, by one path), and unbiasedness against the exact policy gradient of a small
+MDP whose policy decides when to stop, with the per-turn-index construction as the counterexample."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import mt_grpo_trainer as M
+from test_env import ScriptedSampler, make_env, tool_call
+from test_train import run_cfg
+
+
+def episode(turns: int, first_result=None, node=(), turn_nodes=(), assistant=None):
+    """An episode with `turns` assistant turns (its completion alternates assistant and tool result messages)."""
+    msgs = [{"role": "user", "content": "q"}]
+    for k in range(turns):
+        msgs.append({"role": "assistant", "content": f"turn {k}"})
+        msgs += [{"role": "user", "content": "<result>\nr\n</result>"}] if k < turns - 1 else []
+    ep = M.Episode(row={"prompt": "q"}, messages=msgs, n_prompt_messages=1, turns=[M.Turn(0, 1)] * turns)
+    ep.first_result_turn, ep.node, ep.turn_nodes = first_result, node, list(turn_nodes)
+    return ep
+
+
+# --- per-turn rewards
+
+
+def half_a_turn(completions, **_):
+    """A per-turn reward: 0.5 for each assistant turn."""
+    return [[0.5] * sum(m["role"] == "assistant" for m in c) for c in completions]
+
+
+def by_episode(completions, **_):
+    """An episode-level turn reward, as every one written before per-turn rewards."""
+    return [1.0, 2.0, 3.0]
+
+
+def test_a_turn_reward_scores_every_turn_or_the_turns_before_the_first_result():
+    eps = [episode(3, first_result=1), episode(1), episode(2, first_result=1)]
+    totals = M.score(eps, [half_a_turn, by_episode], [2.0, 1.0], per_turn=True)
+    # a list adds turn by turn; a number sits on the turn that called the first tool (the last turn if none did)
+    assert totals == [[2.0, 1.0, 1.0], [3.0], [4.0, 1.0]]
+    assert eps[0].rewards == {"half_a_turn": 1.5, "by_episode": 1.0}, "the reward/* metrics: an episode's sum"
+    with pytest.raises(M.RewardError, match=r"returned 2 values for episode 0, which has 3 assistant turns"):
+        M.score(eps, [lambda completions, **_: [[1.0, 1.0]] * 3], [1.0], per_turn=True)
+    with pytest.raises(M.RewardError, match=r"not a number but a list"):  # outcome rewards are one number an episode
+        M.score(eps, [lambda completions, **_: [[1.0]] * 3], [1.0])
+
+
+def test_episode_level_turn_rewards_give_todays_advantages_exactly():
+    """A number per episode, as every turn reward function written so far returns, gives the three modes today's
+    numbers: the sum of an episode's per-turn rewards is that number, bit for bit."""
+    eps = [episode(2, 1), episode(3, 1), episode(1), episode(1, 1)]
+    values = [0.1, 0.25, 0.35, 0.0]
+    turn_R = M.score(eps, [lambda completions, **_: values], [0.7], per_turn=True)
+    assert [sum(r) for r in turn_R] == [0.7 * v for v in values]
+    cfg = M.Config(turn_advantage_coef=0.5)
+    out = [1.0, 0.0, 1.0, 0.0]
+    a_o, a_t = M.group_normalize(out), 0.5 * M.group_normalize([0.7 * v for v in values])
+    want = [[a_o[0] + a_t[0], a_o[0]], [a_o[1] + a_t[1], a_o[1], a_o[1]], [a_o[2] + a_t[2]], [a_o[3] + a_t[3]]]
+    assert M.ADVANTAGE_MODES["mt_grpo"](eps, turn_R, out, cfg) == want
+
+
+# --- the modes, on hand-built groups
+
+
+def test_the_released_codes_fallback_gives_episodes_without_a_tool_result_the_merged_advantage():
+    eps = [episode(2, 1), episode(1), episode(3, 1), episode(1)]
+    turn_R, out, cfg = [[1.0, 0.0], [0.0], [0.5, 0.0, 0.0], [0.0]], [1.0, 1.0, 0.0, 0.0], M.Config()
+    split = M.ADVANTAGE_MODES["mt_grpo"](eps, turn_R, out, cfg)
+    merged = M.ADVANTAGE_MODES["grpo_merged"](eps, turn_R, out, cfg)
+    got = M.ADVANTAGE_MODES["mt_grpo_merged_fallback"](eps, turn_R, out, cfg)
+    assert got == [split[0], merged[1], split[2], merged[3]] and got[1] != split[1]
+
+
+def test_reward_to_go_credits_a_turn_with_what_comes_after_it_against_the_other_episodes_returns():
+    eps = [episode(3), episode(1), episode(2)]
+    turn_R, out = [[0.3, -0.1, 0.0], [0.0], [0.3, 0.0]], [1.0, 0.0, 1.0]
+    returns = [1.2, 0.0, 1.3]
+    others = [(sum(returns) - r) / 2 for r in returns]
+    want = [[1.2 - others[0], 0.9 - others[0], 1.0 - others[0]], [0.0 - others[1]], [1.3 - others[2], 1.0 - others[2]]]
+    got = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config())
+    assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
+
+
+def test_tree_advantages_are_node_values_against_their_siblings():
+    """Two roots; root 0 branched after its tool turn into children (0, 0) and (0, 1); root 1 answered at once.
+    Q(child) = its own turn rewards + its outcome; Q(root 0) = its turn's reward + the mean of its children's Q."""
+    eps = [
+        episode(2, 1, node=(0, 0), turn_nodes=[(0,), (0, 0)]),
+        episode(2, 1, node=(0, 1), turn_nodes=[(0,), (0, 1)]),
+        episode(1, None, node=(1,), turn_nodes=[(1,)]),
+    ]
+    turn_R, out = [[0.3, 0.1], [0.3, 0.0], [0.0]], [1.0, 0.0, 1.0]
+    q00, q01, q1 = 0.1 + 1.0, 0.0 + 0.0, 1.0
+    q0 = 0.3 + (q00 + q01) / 2
+    cfg = M.Config(scale_rewards=False)
+    got = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, cfg)
+    want = [[q0 - q1, q00 - q01], [q0 - q1, q01 - q00], [q1 - q0]]
+    assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
+    # the node weights: a root stands for b^depth leaves, a child of depth 1 for b^(depth - 1)
+    cfg = M.Config(num_generations=8, branch_width=2, branch_depth=2)
+    assert [M.node_weight(n, cfg) for n in [(0,), (0, 1), (0, 1, 1)]] == [4.0, 2.0, 1.0]
+    assert M.roots_per_prompt(cfg) == 2 and M.roots_per_prompt(M.Config(num_generations=8)) == 8
+
+
+# --- branching rollouts
+
+
+def test_a_branching_rollout_samples_the_shared_prefix_once_and_trains_each_sampled_token_once(tok, tmp_path):
+    """G = 8 leaves from 2 roots of a prompt, b = 2 at the first two tool results. Siblings continue from the same
+    token ids; every token the sampler returned is trained (mask 1) in exactly one episode, at one place."""
+    env = make_env(tok, tmp_path, "num_generations=8", "branch_width=2", "branch_depth=2", "advantage_mode=tree")
+    script = [tool_call("k1"), tool_call("k2"), "<reasoning>r</reasoning>\n<answer>v</answer>"]
+    sampler = BySampleCount(tok, script)
+    eps = env.rollout([{"prompt": "What is k1?", "key": "k1", "answer": "v"}] * 2, sampler)
+    assert [ep.node for ep in eps] == sorted((i, j, k) for i in range(2) for j in range(2) for k in range(2))
+    assert all(ep.group == 0 and len(ep.turns) == 3 for ep in eps)
+    assert len(sampler.prompts) == 2 + 4 + 8, "turn 0 sampled per root, turn 1 per child, turn 2 per leaf"
+    sent = sum(len(ids) for ids in sampler.sent)
+    trained = [(ep.node, k) for ep in eps for s in ep.samples for k, m in enumerate(s.loss_mask) if m]
+    assert len(trained) == sent, "each sampled token is trained once"
+    for ep in eps:  # siblings share their tokens up to the branch point, as context in all but the first path
+        s = ep.samples[-1]
+        assert s.text == env.chat.dec(s.input_ids)
+        for k, m in enumerate(s.loss_mask):
+            assert (s.turn_idx[k] >= 0) == bool(m), "a shared token is context: no turn, no logprob"
+    first, second = eps[0].samples[-1], eps[1].samples[-1]
+    cut = len(first.input_ids) - eps[0].turns[-1].sampled_len
+    assert first.input_ids[:cut] == second.input_ids[:cut], "siblings go on from the same token ids"
+    assert sum(first.loss_mask) > sum(second.loss_mask) and eps[1].shared_tokens == sum(first.loss_mask[:cut])
+    m = M.rollout_metrics(eps)
+    assert m["rollout/paths_per_prompt"] == 8 and m["rollout/branch_points_per_prompt"] == 2 + 4
+
+
+class BySampleCount(ScriptedSampler):
+    """Scripted turns by the number of assistant turns the prompt already holds, so that every path follows it."""
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None):
+        outs = []
+        for p in prompts:
+            turn = self.tok.decode(p).count("<reasoning>")
+            ids = self.tok.encode(self.script[turn], add_special_tokens=False)
+            self.prompts.append(list(p))
+            self.sent.append(ids)
+            outs.append(M.Completion(ids, [-0.1] * len(ids), "stop"))
+        return outs
+
+
+def test_a_branching_run_trains_and_logs_its_tree(tmp_path, tiny_model_dir):
+    cfg = run_cfg(
+        tmp_path, tiny_model_dir, "tree", "max_steps=2", "num_generations=4", "branch_width=2", "branch_depth=1",
+        "advantage_mode=tree", "log_episodes_steps=1", "max_env_steps=3",
+    )  # fmt: skip
+    hist = M.train(cfg)
+    assert all(np.isfinite(m["loss/policy"]) and "adv/turn0_abs" in m for m in hist)
+    recs = [json.loads(x) for x in open(tmp_path / "tree" / "episodes.jsonl")]
+    for r in recs:
+        assert len(r["turn_nodes"]) == len(r["advantages"]) == len(r["turn_rewards"])
+        for s in r["samples"]:
+            assert all((w > 0) == bool(m) for w, m in zip(s["weights"], s["loss_mask"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["num_generations=6", "branch_width=2", "branch_depth=2"], "must be a multiple of branch_width"),
+        (["num_generations=4", "branch_width=2", "branch_depth=2"], "at least twice"),
+        (["num_generations=8", "branch_width=2", "advantage_mode=mt_grpo"], "needs advantage_mode: tree"),
+        (["branch_width=2", "advantage_mode=tree", "loss_aggregation=sequence_mean"], "needs loss_aggregation"),
+    ],
+)
+def test_branching_settings_that_cannot_work_are_one_line(overrides, message):
+    with pytest.raises(M.ConfigError, match=message):
+        M.load_config(None, overrides)
+
+
+# --- unbiasedness: a small MDP whose exact policy gradient we know
+
+# Decision states: start, found, miss (after a search). Answer: the outcome is 1 with probability KNOWN once found,
+# GUESS otherwise; search: the result holds the answer with probability P_FOUND, which the turn reward pays (R_FOUND),
+# less R_SEARCH a search. After two searches the episode must answer. The policy decides when to stop.
+P_FOUND, GUESS, KNOWN, R_FOUND, R_SEARCH = 0.5, 0.3, 0.9, 0.3, -0.1
+STATES = ["start", "found", "miss"]
+THETA = np.array([[0.2, 0.3], [0.5, -0.2], [-0.3, 0.4]])  # logits of (answer, search) in each decision state
+
+
+def exact_gradient(theta):
+    th = torch.tensor(theta, requires_grad=True)
+    pi = torch.softmax(th, -1)
+
+    def value(state, searches):
+        answer = KNOWN if state == "found" else GUESS
+        if searches == 2:
+            return torch.tensor(answer, dtype=torch.float64)
+        p_answer, p_search = pi[STATES.index(state)]
+        found = R_SEARCH + value("found", searches + 1)
+        if state != "found":
+            found = P_FOUND * (found + R_FOUND) + (1 - P_FOUND) * (R_SEARCH + value("miss", searches + 1))
+        return p_answer * answer + p_search * found
+
+    value("start", 0).backward()
+    return th.grad.numpy().ravel()
+
+
+def sample_tree(pi, rng, roots, b, depth):
+    """One prompt's rollouts as the trainer runs them: each root runs turn by turn; with b > 1, at its first `depth`
+    tool results a path goes on b ways from the same state. Leaves: (node, [(turn node, reward, grad log pi)], outcome)."""
+    leaves = []
+
+    def run(node, state, searches, turns):
+        while True:
+            s = STATES.index(state)
+            search = searches < 2 and rng.random() < pi[s, 1]
+            grad = np.zeros_like(pi)
+            if searches < 2:
+                grad[s] -= pi[s]
+                grad[s, int(search)] += 1
+            if not search:
+                outcome = float(rng.random() < (KNOWN if state == "found" else GUESS))
+                return leaves.append((node, turns + [(node, 0.0, grad)], outcome))
+            found = state == "found" or rng.random() < P_FOUND
+            turns = turns + [(node, R_SEARCH + (R_FOUND if found and state != "found" else 0.0), grad)]
+            state, searches = "found" if found else "miss", searches + 1
+            if b > 1 and len(node) <= depth:
+                return [run(node + (j,), state, searches, turns) for j in range(b)]
+
+    for i in range(roots):
+        run((i,), "start", 0, [])
+    return leaves
+
+
+def gradient_estimate(mode, roots, b, depth, draws, weighted=True, seed=0):
+    """The trainer's estimator: each node's turns once, with the node's advantage and weight, over G. Its mean over
+    `draws` prompts, and the standard error of that mean."""
+    rng, pi = np.random.default_rng(seed), np.exp(THETA) / np.exp(THETA).sum(-1, keepdims=True)
+    G = roots * (b**depth if b > 1 else 1)
+    cfg = M.Config(num_generations=G, branch_width=b, branch_depth=depth, scale_rewards=False)
+    draws_g = []
+    for _ in range(draws):
+        leaves = sample_tree(pi, rng, roots, b, depth)
+        eps = [episode(len(t), node=n, turn_nodes=[x[0] for x in t]) for n, t, _ in leaves]
+        advantages = M.ADVANTAGE_MODES[mode](
+            eps, [[x[1] for x in t] for _, t, _ in leaves], [o for *_, o in leaves], cfg
+        )
+        g, seen = np.zeros_like(pi), set()
+        for (_, turns, _), adv in zip(leaves, advantages):
+            for k, ((node, _, grad), a) in enumerate(zip(turns, adv)):
+                if (node, k) not in seen:  # a shared turn is trained once
+                    seen.add((node, k))
+                    g += (M.node_weight(node, cfg) if weighted else 1.0) * a * grad
+        draws_g.append(g.ravel() / G)
+    draws_g = np.array(draws_g)
+    return draws_g.mean(0), draws_g.std(0, ddof=1) / np.sqrt(draws)
+
+
+def per_turn_index(episodes, turn_R, outcome_R, cfg):
+    """verl RFC 7244's construction: each turn's reward (the outcome added to the last turn's) normalised across the
+    group's episodes that have that turn, then summed from turn t on. Its baseline for turn t has as many terms as the
+    episode has turns left, so it depends on when the episode itself stopped."""
+    rewards = [list(r[: len(ep.turns)]) for ep, r in zip(episodes, turn_R)]
+    for r, o in zip(rewards, outcome_R):
+        r[-1] += o
+    means = [np.mean([r[k] for r in rewards if len(r) > k]) for k in range(max(map(len, rewards)))]
+    return [[sum(r[k] - means[k] for k in range(t, len(r))) for t in range(len(r))] for r in rewards]
+
+
+@pytest.mark.parametrize(
+    "mode, roots, b, depth",
+    [("tree", 2, 2, 2), ("tree", 8, 1, 1), ("reward_to_go", 8, 1, 1)],
+    ids=["tree-branching", "tree-no-branching", "reward-to-go"],
+)
+def test_the_estimators_mean_gradient_is_the_exact_gradient(mode, roots, b, depth):
+    mean, se = gradient_estimate(mode, roots, b, depth, draws=3000)
+    z = (mean - exact_gradient(THETA)) / se
+    assert np.abs(z).max() < 4, f"{mode}: mean gradient off by {z.round(1)} standard errors"
+
+
+def test_the_per_turn_index_construction_is_biased_and_so_is_branching_without_node_weights(monkeypatch):
+    """The documented counterexamples: normalising per turn index (verl RFC 7244) shifts the gradient by tens of
+    standard errors when the policy decides when to stop; training shared nodes once without their weight reweighs
+    the turns by depth."""
+    monkeypatch.setitem(M.ADVANTAGE_MODES, "per_turn_index", per_turn_index)
+    exact = exact_gradient(THETA)
+    mean, se = gradient_estimate("per_turn_index", 8, 1, 1, draws=1000)
+    assert np.abs((mean - exact) / se).max() > 20
+    mean, se = gradient_estimate("tree", 2, 2, 2, draws=3000, weighted=False)
+    assert np.abs((mean - exact) / se).max() > 6
