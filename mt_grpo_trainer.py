@@ -1027,15 +1027,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                 m.update(run.sync(step + 1))
                 run.rollouts.advance()
             # 6. log: every rank's means, averaged on rank 0; evaluate when due
-            m.update(
-                {
-                    **episode_metrics(episodes),
-                    **m_roll,
-                    "rollout/rejected_nonfinite": rejected,
-                    "time/train": t_train,
-                    "time/step": time.time() - t0,
-                }
-            )
+            m.update({**episode_metrics(episodes), **m_roll, **getattr(run.sampler, "stats", dict)()})
+            m.update({"rollout/rejected_nonfinite": rejected, "time/train": t_train, "time/step": time.time() - t0})
             run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
             if run.stop_requested():
@@ -1056,22 +1049,11 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     mine, chunk = run.eval_rows[rank::world], cfg.prompts_per_step * cfg.num_generations // world
     for i in range(0, len(mine), chunk):
         eps += run.env.rollout(mine[i : i + chunk], run.sampler, greedy=True)
-    if eps:
-        score(
-            eps, reward_fns, [1.0] * len(reward_fns), cfg.reward_timeout
-        )  # bounded; a signal waits for the step's end
-    records = [
-        {
-            "step": step,
-            "row": rank + world * i,
-            "messages": ep.messages,
-            "rewards": ep.rewards,
-            "end_reason": ep.end_reason,
-            "tool_calls": ep.tool_calls,
-            "tool_errors": ep.tool_errors,
-        }
-        for i, ep in enumerate(eps)
-    ]
+    if eps:  # bounded by reward_timeout; a signal waits for the step's end
+        score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
+        score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+    kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
+    records = [{"step": step, "row": rank + world * i, **{k: getattr(ep, k) for k in kept}} for i, ep in enumerate(eps)]
     records = [r for part in gather_to_rank0(records) for r in part]
     if rank != 0:
         return {}
@@ -1422,7 +1404,8 @@ def load_plugins(run: Run, eval_only: bool):
     dummy = [new_episode(r, system_prompt_for(cfg, run.tools)) for r in run.rows[:2]]
     for ep in dummy:
         ep.messages.append({"role": "assistant", "content": "."})
-    score(dummy, run.turn_fns + run.outcome_fns, [1.0] * len(run.turn_fns + run.outcome_fns), cfg.reward_timeout)
+    score(dummy, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
+    score(dummy, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
         raise ConfigError(
             f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
@@ -1625,7 +1608,7 @@ def rollout_metrics(eps: list[Episode]) -> dict:
             f"rollout/tool_rate_turn{i}": sum(called(e) > i for e in eps) / n
             for i in range(max(map(called, eps), default=0))
         },
-        **(branch_metrics(eps) if any(len(e.node) > 1 for e in eps) else {}),
+        **(branch_metrics(eps) if all(e.node for e in eps) else {}),
     }
 
 
@@ -1759,7 +1742,8 @@ def summarize(cfg: Config, history: list[dict]):
 # - policy_version: None if it samples from the weights being trained (nothing to sync or check), else the version of
 #   its weights, which only sync_weights(model, state_dict, version) sets: rank 0's call with the full state dict, the
 #   others' with None once it returned; then probe_logprobs(ids), rank 0's, the logprobs of ids[1:] at temperature 1;
-# - close(): at the end of a run, on every rank.
+# - close(): at the end of a run, on every rank;
+# - stats() (optional): metrics of the sampler since the last call, logged with each step's.
 
 
 class LocalSampler:
@@ -1858,6 +1842,7 @@ class VLLMServerClient:
         self.sync_dir = os.path.join(cfg.weight_sync_dir, os.path.basename(os.path.abspath(cfg.output_dir)))
         self.nccl = None  # the NCCL group with the server's workers, made on the first nccl sync
         self.adapters = []  # LoRA: (name, folder) of the adapters loaded on the server, oldest first
+        self.cache_counts = [0.0, 0.0]  # the server's prefix-cache queries and hits at the last stats()
         self.stop_event = stop_event or threading.Event()  # set on SIGTERM/Ctrl-C: requests stop retrying
         self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
         self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
@@ -1997,6 +1982,20 @@ class VLLMServerClient:
         if len(replies) != n:
             raise SamplerError(f"{self.url}/v1/completions returned {len(replies)} choices for n={n}")
         return [self.completion(c, version) for c in replies]
+
+    def stats(self) -> dict:
+        """The server's prefix-cache hit rate since the last call, from its own counters (GET /metrics, in prompt
+        tokens): how much of what was sent again (a turn's history, a sibling's shared prefix) it did not recompute."""
+        try:
+            text = self.request("GET", "/metrics", deadline=10.0, plain=True)["text"].splitlines()
+        except SamplerError:  # a server without /metrics: nothing to say
+            return {}
+        now = [
+            sum(float(x.split()[-1]) for x in text if x.startswith(f"vllm:prefix_cache_{k}_total"))
+            for k in ("queries", "hits")
+        ]
+        (queries, hits), self.cache_counts = np.subtract(now, self.cache_counts), now
+        return {"rollout/prefix_cache_hit_rate": hits / queries if queries > 0 else 0.0}
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.

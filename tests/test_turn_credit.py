@@ -11,6 +11,7 @@ import torch
 import mt_grpo_trainer as M
 from test_env import ScriptedSampler, make_env, tool_call
 from test_train import run_cfg
+from vllm_standin import StandinServer
 
 
 def episode(turns: int, first_result=None, node=(), turn_nodes=(), assistant=None):
@@ -149,18 +150,42 @@ class BySampleCount(ScriptedSampler):
         return outs
 
 
-def test_a_branching_run_trains_and_logs_its_tree(tmp_path, tiny_model_dir):
-    cfg = run_cfg(
-        tmp_path, tiny_model_dir, "tree", "max_steps=2", "num_generations=4", "branch_width=2", "branch_depth=1",
-        "advantage_mode=tree", "log_episodes_steps=1", "max_env_steps=3",
-    )  # fmt: skip
-    hist = M.train(cfg)
-    assert all(np.isfinite(m["loss/policy"]) and "adv/turn0_abs" in m for m in hist)
-    recs = [json.loads(x) for x in open(tmp_path / "tree" / "episodes.jsonl")]
+BRANCHING = ["num_generations=4", "branch_width=2", "branch_depth=1", "advantage_mode=tree", "log_episodes_steps=1"]
+BRANCHING += ["max_tokens=48", "prompts_per_step=4"]  # room for a tool call, and prompts enough that some call it
+
+
+@pytest.mark.parametrize("lora", [[], ["lora_rank=4", "lora_alpha=8", "learning_rate=0.05"]], ids=["full", "lora"])
+def test_a_branching_run_trains_its_tree_resumes_exactly_and_evaluates_greedy_paths(tmp_path, toy_model_dir, lora):
+    """The warm toy model calls its tool, so its episodes branch; a run resumed from step 2 gives step 3 as the
+    unbroken run did; evaluation runs one greedy path per prompt."""
+    evals = ["eval_dataset=tasks/toy_kv.py:make_eval_dataset", "eval_max_examples=4", "eval_steps=3"]
+    full = M.train(run_cfg(tmp_path, toy_model_dir, "full", "max_steps=3", "save_steps=2", *BRANCHING, *evals, *lora))
+    recs = [json.loads(x) for x in open(tmp_path / "full" / "episodes.jsonl")]
+    assert any(len(r["node"]) == 2 for r in recs) and all(m["rollout/paths_per_prompt"] >= 2 for m in full)
     for r in recs:
         assert len(r["turn_nodes"]) == len(r["advantages"]) == len(r["turn_rewards"])
         for s in r["samples"]:
             assert all((w > 0) == bool(m) for w, m in zip(s["weights"], s["loss_mask"]))
+    root = [w for r in recs if len(r["node"]) == 2 for s in r["samples"] for w, t in zip(s["weights"], s["turn_idx"])]
+    assert 2.0 in root, "a root's tokens stand for its two leaves"
+    resume = f"resume_from_checkpoint={tmp_path}/full/checkpoint-2"
+    resumed = M.train(run_cfg(tmp_path, toy_model_dir, "resumed", "max_steps=3", resume, *BRANCHING, *evals, *lora))
+    for k in ("reward/turn", "loss/policy", "loss/grad_norm", "rollout/sampled_tokens", "rollout/paths_per_prompt"):
+        assert resumed[0].get(k) == pytest.approx(full[2].get(k), rel=1e-5, abs=1e-7), k
+    evaluated = [json.loads(x) for x in open(tmp_path / "full" / "eval" / "step-3.jsonl")]
+    assert len(evaluated) == 4 and "eval/exact_answer_reward" in full[2]
+
+
+def test_branching_with_rollouts_one_step_ahead_through_the_server(tmp_path, toy_model_dir):
+    """max_staleness 1 against the stand-in server: siblings' identical prompts go as one request with n = b."""
+    with StandinServer(toy_model_dir) as srv:
+        server = [f"vllm_server_url={srv.url}", f"weight_sync_dir={tmp_path}/shm", "max_staleness=1"]
+        hist = M.train(run_cfg(tmp_path, toy_model_dir, "srv", "max_steps=3", *server, *BRANCHING))
+        requests = [r for r in srv.requests if r["path"] == "/v1/completions" and "prompt_logprobs" not in r["body"]]
+    assert all(m["rollout/staleness_max"] <= 1 for m in hist)
+    recs = [json.loads(x) for x in open(tmp_path / "srv" / "episodes.jsonl")]
+    assert any(len(r["node"]) == 2 for r in recs)
+    assert any(r["body"]["n"] == 2 and r["body"]["prompt"] for r in requests), "siblings sampled in one request"
 
 
 @pytest.mark.parametrize(
