@@ -21,7 +21,8 @@ The invariants (each has tests; comments below cite them as I1-I6):
   I1 token faithfulness. Every token with loss_mask 1 is a token the sampler sampled, at the position where it
      was sampled, after exactly the context the sampler saw. Sampled text is never decoded and re-encoded for training.
   I2 alignment. In every sample, input_ids, loss_mask, sampler logprobs, turn index and advantages have the same length.
-  I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0.
+  I3 masking. Prompt, chat-template, tool-result and padding tokens have loss_mask 0, and so do the tokens a branch
+     shares with the path it branched from (that path trains them: each sampled token is trained once).
   I4 extension. A sample grows only while each new prompt starts with everything the sample holds (or, a
      counted REALIGN, all but a last turn's tail of whitespace or end markers, which becomes context). When it
      does not (the template rewrote history, or thinking was compacted), the sample closes and a new one starts
