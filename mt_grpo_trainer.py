@@ -1158,9 +1158,8 @@ class Run:
     def save_and_stop(self, step: int):
         """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
         path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
-        if not (
-            path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
-        ):  # not saved yet
+        saved = path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
+        if not saved:
             path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
         self.say(
             f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
@@ -1218,9 +1217,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if dist.is_initialized():
         dist.barrier()  # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
-    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(
-        cfg, run.src, run.device
-    )
+    models = load_models(cfg, run.src, run.device)
+    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
@@ -1238,14 +1236,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         run.check_logprobs_mode(prompt_ids)
     if eval_only:
         return run
-    run.steps = tqdm(
-        range(run.start, cfg.max_steps),
-        initial=run.start,
-        total=cfg.max_steps,
-        desc="mt-grpo",
-        dynamic_ncols=True,
-        disable=not run.is_main,
-    )
+    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=not run.is_main)
+    run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
     if threading.current_thread() is threading.main_thread():
@@ -1271,22 +1263,20 @@ def load_plugins(run: Run, eval_only: bool):
     specs = cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs
     for i, (spec, fn) in enumerate(zip(specs, run.tools + run.turn_fns + run.outcome_fns)):
         what = "tool" if i < len(run.tools) else "reward function"
-        lazy = [
-            f
-            for f in (fn, type(fn).__call__ if not inspect.isroutine(fn) else None)
-            if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
-        ]  # returns before its body runs
+        lazy = any(  # returns before its body runs
+            inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
+            for f in (fn, type(fn).__call__ if callable(fn) else None)
+        )
         if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):  # a tool is called by name
             kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
             raise ConfigError(
                 f"{what} '{spec}' is {kind}, not a function that returns its result; write it as a plain def"
             )
-    for i, fn in enumerate(run.tools):  # the model calls a tool by name: a second tool of one name shadows the first
-        first = next(j for j, g in enumerate(run.tools) if g.__name__ == fn.__name__)
-        if first < i:
-            raise ConfigError(
-                f"tools '{cfg.tools[first]}' and '{cfg.tools[i]}' are both named '{fn.__name__}'; rename one"
-            )
+    named = {}  # name -> spec: the model calls a tool by name, so a second tool of one name would shadow the first
+    for spec, fn in zip(cfg.tools, run.tools):
+        if fn.__name__ in named:
+            raise ConfigError(f"tools '{named[fn.__name__]}' and '{spec}' are both named '{fn.__name__}'; rename one")
+        named[fn.__name__] = spec
     run.turn_w = cfg.turn_reward_weights or [1.0] * len(run.turn_fns)
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
@@ -1387,31 +1377,18 @@ def load_models(cfg: Config, src: str, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = pretrained(AutoTokenizer, src)
-    model = add_lora(
-        pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32),
-        cfg,
-        src,
-    ).to(device)
+    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32)
+    model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
-    ref_model = (
-        model
-        if cfg.lora_rank
-        else (
-            pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32)
-            .to(device)
-            .eval()
-            .requires_grad_(False)
-            if cfg.beta > 0
-            else None
-        )
-    )
+    ref_model = model if cfg.lora_rank else None  # with LoRA: the policy itself, its adapters off
+    if cfg.beta > 0 and not cfg.lora_rank:
+        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
     policy = wrap_model(model, cfg, device)  # what the loss runs through; `model` stays the HF (or peft) module
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        betas=tuple(cfg.adam_betas),
+        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
@@ -1443,14 +1420,10 @@ def add_lora(model, cfg: Config, src: str = ""):
     if os.path.isfile(os.path.join(src, "adapter_config.json")):
         return PeftModel.from_pretrained(model, src, is_trainable=True)
     targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets
-            ),
-        )
+        return get_peft_model(model, lora)
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
