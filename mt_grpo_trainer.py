@@ -2262,21 +2262,10 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save(
-        {
-            "step": step,
-            "optimizer": optim_sd,
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(cfg),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-        },
-        os.path.join(tmp, "trainer_state.pt"),
-    )
+    state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
+    state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
     with open(os.path.join(tmp, "manifest.json"), "w") as f:  # what resume verifies: every file, at its size
         json.dump(sizes, f)
