@@ -2518,10 +2518,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             kind = rule if rule[0] in "<>f" else "in " + rule
             raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
-    for funcs, weights in (
-        ("turn_reward_funcs", "turn_reward_weights"),
-        ("outcome_reward_funcs", "outcome_reward_weights"),
-    ):
+    for level in ("turn", "outcome"):
+        funcs, weights = f"{level}_reward_funcs", f"{level}_reward_weights"
         w = getattr(cfg, weights)
         if w and len(w) != len(getattr(cfg, funcs)):
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
@@ -2557,10 +2555,8 @@ def print_help():
     for name, default in dataclasses.asdict(Config()).items():
         rule = rules.get(name, "")
         valid = f"; one of {', '.join(rule)}" if isinstance(rule, tuple) else f", range {rule}" if rule else ""
-        print(
-            f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{valid})\n"
-            f"      {docs.get(name, '')}"
-        )
+        kind = getattr(hints[name], "__name__", hints[name])
+        print(f"  {name} ({kind}, default {default!r}{valid})\n      {docs.get(name, '')}")
 
 
 def load_object(spec: str, what: str = "object"):
@@ -2568,9 +2564,8 @@ def load_object(spec: str, what: str = "object"):
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    full = next(
-        (p for p in (path, os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) if os.path.isfile(p)), None
-    )
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    full = path if os.path.isfile(path) else here if os.path.isfile(here) else None
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
     mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
@@ -2637,15 +2632,11 @@ def load_rows(spec: str) -> list[dict]:
         if not isinstance(r, dict) or "prompt" not in r:
             raise ConfigError(f"{at} is {r!r:.80}, not an object with a 'prompt' column")
         p = r["prompt"]
-        bad = (
-            [
-                j
-                for j, m in enumerate(p)
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))
-            ]
-            if isinstance(p, list)
-            else []
-        )
+        bad = [
+            j
+            for j, m in enumerate(p if isinstance(p, list) else [])
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))
+        ]
         if not (p.strip() if isinstance(p, str) else isinstance(p, list) and p and not bad):
             what = f"prompt message {bad[0]}: {p[bad[0]]!r:.80}" if bad else f"prompt {p!r:.80}"
             raise ConfigError(
@@ -2654,18 +2645,14 @@ def load_rows(spec: str) -> list[dict]:
             )
         if set(r) != cols:  # a missing column must not reach a reward function as None
             missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
-            raise ConfigError(
-                f"{at} "
-                + (f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}")
-                + " that row 0 does not; every row needs the same columns"
-            )
+            diff = f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}"
+            raise ConfigError(f"{at} {diff} that row 0 does not; every row needs the same columns")
     return rows
 
 
 def autocast(cfg: Config, device: torch.device):
-    use = cfg.mixed_precision == "bf16" or (
-        cfg.mixed_precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
+    mode = cfg.mixed_precision
+    use = mode == "bf16" or mode == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
@@ -2716,11 +2703,7 @@ def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: t
 def tool_schema(fn) -> dict:
     """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
     doc = inspect.getdoc(fn) or ""
-    arg_docs = (
-        dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M))
-        if "Args:" in doc
-        else {}
-    )
+    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.partition("Args:")[2], re.M))
     hints = typing.get_type_hints(fn)
     json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
     props, required = {}, []
@@ -2731,14 +2714,9 @@ def tool_schema(fn) -> dict:
             props[name]["description"] = arg_docs[name].strip()
         if p.default is inspect.Parameter.empty:
             required.append(name)
-    return {
-        "type": "function",
-        "function": {
-            "name": fn.__name__,
-            "description": doc.split("\n\n")[0].replace("\n", " "),
-            "parameters": {"type": "object", "properties": props, "required": required},
-        },
-    }
+    params = {"type": "object", "properties": props, "required": required}
+    summary = doc.split("\n\n")[0].replace("\n", " ")
+    return {"type": "function", "function": {"name": fn.__name__, "description": summary, "parameters": params}}
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
