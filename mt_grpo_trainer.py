@@ -2813,10 +2813,9 @@ class ChatTemplate:
         from jinja2 import TemplateError
 
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        two_calls = [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call] * 2}]
         with contextlib.suppress(TemplateError):
-            self.apply(
-                [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call] * 2}]
-            )
+            self.apply(two_calls)
             return False
         return True
 
@@ -2960,7 +2959,7 @@ class ChatTemplate:
             found += 1
             if mode == "ignore_strippable" and "".join(fresh.split()) == "".join(held.split()):
                 continue
-            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
+            at = len(os.path.commonprefix([held, fresh]))  # the first character that differs
             raise TokenizationMismatch(
                 f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
                 f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
