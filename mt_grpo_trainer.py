@@ -2087,12 +2087,11 @@ def eos_ids(model, tokenizer) -> set[int]:
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; alone, FSDP2 still gets the 1-rank group it needs."""
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ and not cfg.fsdp:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
+        if not cfg.fsdp:
+            return 0, 1, torch.device("cuda" if cuda else "cpu")
+        port = str(free_port())
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if cfg.prompts_per_step % world:
         raise ConfigError(
