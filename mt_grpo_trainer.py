@@ -1267,9 +1267,8 @@ class Run:
     def save_and_stop(self, step: int):
         """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
         path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
-        if not (
-            path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
-        ):  # not saved yet
+        saved = path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
+        if not saved:
             path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
         self.say(
             f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
@@ -1327,9 +1326,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if dist.is_initialized():
         dist.barrier()  # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
-    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = load_models(
-        cfg, run.src, run.device
-    )
+    models = load_models(cfg, run.src, run.device)
+    run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
@@ -1347,14 +1345,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         run.check_logprobs_mode(prompt_ids)
     if eval_only:
         return run
-    run.steps = tqdm(
-        range(run.start, cfg.max_steps),
-        initial=run.start,
-        total=cfg.max_steps,
-        desc="mt-grpo",
-        dynamic_ncols=True,
-        disable=not run.is_main,
-    )
+    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=not run.is_main)
+    run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
     if threading.current_thread() is threading.main_thread():
@@ -1380,22 +1372,20 @@ def load_plugins(run: Run, eval_only: bool):
     specs = cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs
     for i, (spec, fn) in enumerate(zip(specs, run.tools + run.turn_fns + run.outcome_fns)):
         what = "tool" if i < len(run.tools) else "reward function"
-        lazy = [
-            f
-            for f in (fn, type(fn).__call__ if not inspect.isroutine(fn) else None)
-            if inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
-        ]  # returns before its body runs
+        lazy = any(  # returns before its body runs
+            inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
+            for f in (fn, type(fn).__call__ if callable(fn) else None)
+        )
         if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):  # a tool is called by name
             kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
             raise ConfigError(
                 f"{what} '{spec}' is {kind}, not a function that returns its result; write it as a plain def"
             )
-    for i, fn in enumerate(run.tools):  # the model calls a tool by name: a second tool of one name shadows the first
-        first = next(j for j, g in enumerate(run.tools) if g.__name__ == fn.__name__)
-        if first < i:
-            raise ConfigError(
-                f"tools '{cfg.tools[first]}' and '{cfg.tools[i]}' are both named '{fn.__name__}'; rename one"
-            )
+    named = {}  # name -> spec: the model calls a tool by name, so a second tool of one name would shadow the first
+    for spec, fn in zip(cfg.tools, run.tools):
+        if fn.__name__ in named:
+            raise ConfigError(f"tools '{named[fn.__name__]}' and '{spec}' are both named '{fn.__name__}'; rename one")
+        named[fn.__name__] = spec
     run.turn_w = cfg.turn_reward_weights or [1.0] * len(run.turn_fns)
     run.outcome_w = cfg.outcome_reward_weights or [1.0] * len(run.outcome_fns)
     run.rows = load_rows(cfg.dataset)
@@ -1497,31 +1487,18 @@ def load_models(cfg: Config, src: str, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = pretrained(AutoTokenizer, src)
-    model = add_lora(
-        pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32),
-        cfg,
-        src,
-    ).to(device)
+    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32)
+    model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
-    ref_model = (
-        model
-        if cfg.lora_rank
-        else (
-            pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32)
-            .to(device)
-            .eval()
-            .requires_grad_(False)
-            if cfg.beta > 0
-            else None
-        )
-    )
+    ref_model = model if cfg.lora_rank else None  # with LoRA: the policy itself, its adapters off
+    if cfg.beta > 0 and not cfg.lora_rank:
+        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
     policy = wrap_model(model, cfg, device)  # what the loss runs through; `model` stays the HF (or peft) module
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        betas=tuple(cfg.adam_betas),
+        trained, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
@@ -1553,14 +1530,10 @@ def add_lora(model, cfg: Config, src: str = ""):
     if os.path.isfile(os.path.join(src, "adapter_config.json")):
         return PeftModel.from_pretrained(model, src, is_trainable=True)
     targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets
-            ),
-        )
+        return get_peft_model(model, lora)
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
@@ -2234,12 +2207,11 @@ def eos_ids(model, tokenizer) -> set[int]:
 def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; alone, FSDP2 still gets the 1-rank group it needs."""
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ and not cfg.fsdp:
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-        )
+        if not cfg.fsdp:
+            return 0, 1, torch.device("cuda" if cuda else "cpu")
+        port = str(free_port())
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if cfg.prompts_per_step % world:
         raise ConfigError(
@@ -2409,21 +2381,10 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=model_sd)
     tokenizer.save_pretrained(tmp)
-    torch.save(
-        {
-            "step": step,
-            "optimizer": optim_sd,
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(cfg),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-        },
-        os.path.join(tmp, "trainer_state.pt"),
-    )
+    state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
+    state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
     with open(os.path.join(tmp, "manifest.json"), "w") as f:  # what resume verifies: every file, at its size
         json.dump(sizes, f)
@@ -2676,10 +2637,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             kind = rule if rule[0] in "<>f" else "in " + rule
             raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
-    for funcs, weights in (
-        ("turn_reward_funcs", "turn_reward_weights"),
-        ("outcome_reward_funcs", "outcome_reward_weights"),
-    ):
+    for level in ("turn", "outcome"):
+        funcs, weights = f"{level}_reward_funcs", f"{level}_reward_weights"
         w = getattr(cfg, weights)
         if w and len(w) != len(getattr(cfg, funcs)):
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
@@ -2735,10 +2694,8 @@ def print_help():
     for name, default in dataclasses.asdict(Config()).items():
         rule = rules.get(name, "")
         valid = f"; one of {', '.join(rule)}" if isinstance(rule, tuple) else f", range {rule}" if rule else ""
-        print(
-            f"  {name} ({getattr(hints[name], '__name__', hints[name])}, default {default!r}{valid})\n"
-            f"      {docs.get(name, '')}"
-        )
+        kind = getattr(hints[name], "__name__", hints[name])
+        print(f"  {name} ({kind}, default {default!r}{valid})\n      {docs.get(name, '')}")
 
 
 def load_object(spec: str, what: str = "object"):
@@ -2746,9 +2703,8 @@ def load_object(spec: str, what: str = "object"):
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    full = next(
-        (p for p in (path, os.path.join(os.path.dirname(os.path.abspath(__file__)), path)) if os.path.isfile(p)), None
-    )
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    full = path if os.path.isfile(path) else here if os.path.isfile(here) else None
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
     mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
@@ -2815,15 +2771,11 @@ def load_rows(spec: str) -> list[dict]:
         if not isinstance(r, dict) or "prompt" not in r:
             raise ConfigError(f"{at} is {r!r:.80}, not an object with a 'prompt' column")
         p = r["prompt"]
-        bad = (
-            [
-                j
-                for j, m in enumerate(p)
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))
-            ]
-            if isinstance(p, list)
-            else []
-        )
+        bad = [
+            j
+            for j, m in enumerate(p if isinstance(p, list) else [])
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str))
+        ]
         if not (p.strip() if isinstance(p, str) else isinstance(p, list) and p and not bad):
             what = f"prompt message {bad[0]}: {p[bad[0]]!r:.80}" if bad else f"prompt {p!r:.80}"
             raise ConfigError(
@@ -2832,18 +2784,14 @@ def load_rows(spec: str) -> list[dict]:
             )
         if set(r) != cols:  # a missing column must not reach a reward function as None
             missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
-            raise ConfigError(
-                f"{at} "
-                + (f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}")
-                + " that row 0 does not; every row needs the same columns"
-            )
+            diff = f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}"
+            raise ConfigError(f"{at} {diff} that row 0 does not; every row needs the same columns")
     return rows
 
 
 def autocast(cfg: Config, device: torch.device):
-    use = cfg.mixed_precision == "bf16" or (
-        cfg.mixed_precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
+    mode = cfg.mixed_precision
+    use = mode == "bf16" or mode == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use)
 
 
@@ -2894,11 +2842,7 @@ def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: t
 def tool_schema(fn) -> dict:
     """OpenAI-style JSON schema of a tool from its signature and docstring (Google-style `Args:` lines)."""
     doc = inspect.getdoc(fn) or ""
-    arg_docs = (
-        dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.split("Args:", 1)[1], re.M))
-        if "Args:" in doc
-        else {}
-    )
+    arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.partition("Args:")[2], re.M))
     hints = typing.get_type_hints(fn)
     json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
     props, required = {}, []
@@ -2909,14 +2853,9 @@ def tool_schema(fn) -> dict:
             props[name]["description"] = arg_docs[name].strip()
         if p.default is inspect.Parameter.empty:
             required.append(name)
-    return {
-        "type": "function",
-        "function": {
-            "name": fn.__name__,
-            "description": doc.split("\n\n")[0].replace("\n", " "),
-            "parameters": {"type": "object", "properties": props, "required": required},
-        },
-    }
+    params = {"type": "object", "properties": props, "required": required}
+    summary = doc.split("\n\n")[0].replace("\n", " ")
+    return {"type": "function", "function": {"name": fn.__name__, "description": summary, "parameters": params}}
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
@@ -3024,10 +2963,9 @@ class ChatTemplate:
         from jinja2 import TemplateError
 
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        two_calls = [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call] * 2}]
         with contextlib.suppress(TemplateError):
-            self.apply(
-                [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": [call] * 2}]
-            )
+            self.apply(two_calls)
             return False
         return True
 
@@ -3171,7 +3109,7 @@ class ChatTemplate:
             found += 1
             if mode == "ignore_strippable" and "".join(fresh.split()) == "".join(held.split()):
                 continue
-            at = next((i for i, (a, b) in enumerate(zip(held, fresh)) if a != b), min(len(held), len(fresh)))
+            at = len(os.path.commonprefix([held, fresh]))  # the first character that differs
             raise TokenizationMismatch(
                 f"sample {k} of an episode: its last prompt differs from a fresh rendering of the conversation before "
                 f"its last turn (thinking_retention={self.cfg.thinking_retention}) at character {at}:\n"
