@@ -106,7 +106,9 @@ def main():
             f"- {METHODS[a][0]} - {METHODS[b][0]}: {' '.join(f'{x:+.3f}' for x in d)}; above on "
             f"{sum(x > 0 for x in d)} of {len(d)} seeds; mean {mean(d):+.3f}, sd {sd:.3f}"
         )
-    print(f"\nMeans over seeds; steps to = first step whose trailing-5-step training exact match is >= {args.target}:\n")
+    print(
+        f"\nMeans over seeds; steps to = first step whose trailing-5-step training exact match is >= {args.target}:\n"
+    )
     print("| method | hop 1 | hop 2 | hop 3 | steps to (per seed) | sampled tokens | trained tokens | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for m, (name, _) in METHODS.items():
