@@ -56,6 +56,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import datetime
 import difflib
 import functools
 import fcntl
@@ -72,6 +73,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -86,6 +88,7 @@ import requests
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
 # === 1. Config ===========================================================================
 
@@ -1304,8 +1307,6 @@ class Run:
 def setup(cfg: Config, eval_only: bool = False) -> Run:
     """Plug-ins and rewards first (a bad recipe fails in seconds), then the run folder, the model
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
-    from tqdm import tqdm
-
     resolve_paths(cfg)
     run = Run(cfg, *init_distributed(cfg))
     random.seed(cfg.seed + run.rank)
@@ -2221,8 +2222,6 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        import datetime
-
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=cfg.distributed_timeout))
     return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
 
@@ -2235,8 +2234,6 @@ def exit_now(code: int):
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
