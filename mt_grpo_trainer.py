@@ -2800,24 +2800,13 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    scheduler.last_epoch = state["step"] * cfg.num_iterations  # it counts updates, the recipe's num_iterations a step
     # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
     # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
     g = optimizer.param_groups[0]
-    old = {
-        "learning_rate": g["initial_lr"],
-        "weight_decay": g["weight_decay"],
-        "adam_betas": list(g["betas"]),
-        **state.get("config", {}),
-    }
-    keys = (
-        "learning_rate",
-        "lr_scheduler",
-        "warmup_steps",
-        "max_steps",
-        "num_iterations",
-        "weight_decay",
-        "adam_betas",
-    )
+    old = dict(learning_rate=g["initial_lr"], weight_decay=g["weight_decay"], adam_betas=list(g["betas"]))
+    old.update(state.get("config", {}))
+    keys = "learning_rate lr_scheduler warmup_steps max_steps num_iterations weight_decay adam_betas".split()
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
