@@ -2774,18 +2774,19 @@ def checkpoint_problem(path: str) -> str:
 
 
 def checked_mode(cfg: Config, path: str) -> str:
-    """`path`, if it was saved in the recipe's mode: LoRA (it holds adapter_config.json) with these keys, or full."""
+    """`path`, if it was saved in the recipe's mode: LoRA (it holds adapter_config.json) with these keys, or full; its
+    targets as its run's recipe named them (peft's file lists the modules matched, and loads those whatever is set)."""
     saved = {"lora_rank": 0}
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         with open(os.path.join(path, "adapter_config.json")) as f:
             a = json.load(f)
+        run = torch.load(os.path.join(path, "trainer_state.pt"), mmap=True, weights_only=False).get("config", {})
         saved = {"lora_rank": a["r"], "lora_alpha": a["lora_alpha"], "lora_dropout": a["lora_dropout"]}
+        saved["lora_target_modules"] = run.get("lora_target_modules", cfg.lora_target_modules)  # older: not saved
     if any(getattr(cfg, k) != v for k, v in saved.items()):
         how = "with LoRA" if saved["lora_rank"] else "by full fine-tuning"
-        raise ConfigError(
-            f"resume_from_checkpoint: {path} was saved {how}: set "
-            f"{', '.join(f'{k}={v}' for k, v in saved.items())} to resume it"
-        )
+        keys = ", ".join(f"{k}=[{','.join(v)}]" if isinstance(v, list) else f"{k}={v}" for k, v in saved.items())
+        raise ConfigError(f"resume_from_checkpoint: {path} was saved {how}: set {keys} to resume it")
     return path
 
 
