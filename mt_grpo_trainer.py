@@ -1151,7 +1151,7 @@ class Run:
     pad_id: int = 0  # the token that pads micro-batches
     sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
     probe_ids: list[int] = field(default_factory=list)  # the weight-sync check's fixed sequence
-    probe_ref: tuple | None = None  # its reference: (version, server's, trainer's, gap)
+    probe_ref: tuple | None = None  # its reference: (version, server's, trainer's with the bf16 weights, gap)
     steps: typing.Any = None  # a tqdm over the steps to run
     logger: MetricsLogger | None = None  # None with the eval command
     rollouts: RolloutProducer | None = None
@@ -1172,8 +1172,8 @@ class Run:
     def sync(self, version: int) -> dict:
         """A sampler with weights of its own (a server) samples from the current ones from now on; then two checks on
         a fixed probe sequence (a failed, partial or skipped reload would otherwise train silently off-policy): the
-        server's logprobs match the trainer's (another model, a broken reload), and their change since the last judged
-        sync follows the trainer's (a reload that did nothing: one step moves logprobs less than the bf16 gap)."""
+        server's logprobs match the trainer's (another model, a broken reload), and they moved since the last judged
+        sync as the trainer's did with the bf16 weights it sent (a reload that did nothing: they repeat to the bit)."""
         if self.sampler.policy_version is None:  # in-process: it samples from the weights being trained
             return {}
         t = time.time()
@@ -1184,42 +1184,49 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
-        if self.cfg.sync_check_max_diff > 0:  # every rank runs the forward (FSDP); rank 0 asks the server
-            ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
-            with torch.no_grad():  # float32: the trainer's own change on the probe is exact; no dropout, as the server
-                own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
-            self.model.train(was)
-            stats = [0.0] * 5  # rank 0's: mean |server - trainer|, trainer's change, judged, server's share, since
-            if self.is_main:
-                srv = torch.tensor(self.sampler.probe_logprobs(self.probe_ids))
-                stats[0] = float((srv - own).abs().mean())
-                self.probe_ref = self.probe_ref or (version, srv, own, stats[0])  # the first sync: the first reference
-                stats[4], ref_srv, ref_own, ref_gap = self.probe_ref
-                d_srv, d_own = srv - ref_srv, own - ref_own
-                stats[1] = float(d_own.abs().mean())
-                # Judged once the trainer's change is 4x the precision gap: a smaller (sub-ulp) step may leave the bf16
-                # weights as they were, so changes accumulate from the last judged sync until they can be told apart.
-                if stats[1] > 4 * ref_gap:  # the slope of the server's change on the trainer's: ~1 followed, 0 not
-                    stats[2:4] = [1.0, float((d_srv * d_own).sum() / (d_own * d_own).sum())]
-                    self.probe_ref = (version, srv, own, stats[0])
-            diff, change, judged, follow, since = all_reduce(*stats)
-            m["sync/probe_logprob_diff"], m["sync/probe_change"] = diff, change
-            if diff > self.cfg.sync_check_max_diff:
+        if self.cfg.sync_check_max_diff <= 0:
+            return m
+        ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
+        score = lambda: token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+        self.optimizer.zero_grad(set_to_none=True)  # room for the copy below (the next step starts with no gradients)
+        with torch.no_grad():  # every rank runs the forwards (FSDP); float32, no dropout, as the server
+            own, sent = score(), [(p, p.detach().clone()) for p in self.model.parameters() if p.requires_grad]
+            for p, _ in sent:  # what trains in bf16, as sent (adapters: vLLM casts them): a step that leaves it as it
+                p.copy_(p.to(torch.bfloat16))  # was expects no change, one that does expects the server's
+            held = score()
+            for p, kept in sent:
+                p.copy_(kept)
+        self.model.train(was)
+        stats = [0.0] * 6  # rank 0's: mean |server - trainer|, expected change, judged, server's share, since, repeat
+        if self.is_main:  # probed twice: the server's own noise (the CPU build repeats to the bit)
+            srv, again = (torch.tensor(self.sampler.probe_logprobs(self.probe_ids)) for _ in range(2))
+            stats[0], stats[5] = float((srv - own).abs().mean()), float((again - srv).abs().mean())
+            self.probe_ref = self.probe_ref or (version, srv, held, stats[0])  # the first sync: the first reference
+            stats[4], ref_srv, ref_held, ref_gap = self.probe_ref
+            stats[1] = float((held - ref_held).abs().mean())
+            # Judged once the expected change is clearly above the server's noise, and a 20th of the bf16 gap (a far
+            # smaller one may leave its bf16 arithmetic as it was); until then changes add up from the last judged sync.
+            if stats[1] > max(4 * stats[5], ref_gap / 20):  # the server's change over the expected: >~1 followed, 0 not
+                stats[2:4] = [1.0, float((srv - ref_srv).abs().mean()) / stats[1]]
+                self.probe_ref = (version, srv, held, stats[0])
+        diff, change, judged, follow, since, repeat = all_reduce(*stats)
+        m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/probe_repeat": repeat})
+        if diff > self.cfg.sync_check_max_diff:
+            raise SyncCheckError(
+                f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
+                f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
+                f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
+                "server's log), another model on the server, or a larger precision gap (raise the bound)."
+            )
+        if judged:
+            m["sync/probe_follow"] = follow
+            if follow < 0.5:
                 raise SyncCheckError(
-                    f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
-                    f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
-                    f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
-                    "server's log), another model on the server, or a larger precision gap (raise the bound)."
+                    f"weight sync check failed after step {version}: since step {since:.0f} the trainer's "
+                    f"logprobs on a {len(self.probe_ids)}-token probe, with its weights in bf16 as sent, moved by "
+                    f"{change:.4f} on average, the server's by {follow:.2f} of that (a repeated probe: {repeat:.4f})."
+                    " Likely: the reload did not take (see the server's log), or the server serves something else."
                 )
-            if judged:
-                m["sync/probe_follow"] = follow
-                if follow < 0.5:
-                    raise SyncCheckError(
-                        f"weight sync check failed after step {version}: since step {since:.0f} the "
-                        f"trainer's logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} "
-                        f"on average, the server's by {follow:.2f} of that (1 = followed). Likely: the "
-                        "reload did not take (see the server's log), or the server serves something else."
-                    )
         return m
 
     def check_logprobs_mode(self, prompt: list[int]):
@@ -2447,18 +2454,19 @@ def checkpoint_problem(path: str) -> str:
 
 
 def checked_mode(cfg: Config, path: str) -> str:
-    """`path`, if it was saved in the recipe's mode: LoRA (it holds adapter_config.json) with these keys, or full."""
+    """`path`, if it was saved in the recipe's mode: LoRA (it holds adapter_config.json) with these keys, or full; its
+    targets as its run's recipe named them (peft's file lists the modules matched, and loads those whatever is set)."""
     saved = {"lora_rank": 0}
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         with open(os.path.join(path, "adapter_config.json")) as f:
             a = json.load(f)
+        run = torch.load(os.path.join(path, "trainer_state.pt"), mmap=True, weights_only=False).get("config", {})
         saved = {"lora_rank": a["r"], "lora_alpha": a["lora_alpha"], "lora_dropout": a["lora_dropout"]}
+        saved["lora_target_modules"] = run.get("lora_target_modules", cfg.lora_target_modules)  # older: not saved
     if any(getattr(cfg, k) != v for k, v in saved.items()):
         how = "with LoRA" if saved["lora_rank"] else "by full fine-tuning"
-        raise ConfigError(
-            f"resume_from_checkpoint: {path} was saved {how}: set "
-            f"{', '.join(f'{k}={v}' for k, v in saved.items())} to resume it"
-        )
+        keys = ", ".join(f"{k}=[{','.join(v)}]" if isinstance(v, list) else f"{k}={v}" for k, v in saved.items())
+        raise ConfigError(f"resume_from_checkpoint: {path} was saved {how}: set {keys} to resume it")
     return path
 
 
@@ -2473,24 +2481,13 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    scheduler.last_epoch = state["step"] * cfg.num_iterations  # it counts updates, the recipe's num_iterations a step
     # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
     # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
     g = optimizer.param_groups[0]
-    old = {
-        "learning_rate": g["initial_lr"],
-        "weight_decay": g["weight_decay"],
-        "adam_betas": list(g["betas"]),
-        **state.get("config", {}),
-    }
-    keys = (
-        "learning_rate",
-        "lr_scheduler",
-        "warmup_steps",
-        "max_steps",
-        "num_iterations",
-        "weight_decay",
-        "adam_betas",
-    )
+    old = dict(learning_rate=g["initial_lr"], weight_decay=g["weight_decay"], adam_betas=list(g["betas"]))
+    old.update(state.get("config", {}))
+    keys = "learning_rate lr_scheduler warmup_steps max_steps num_iterations weight_decay adam_betas".split()
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):

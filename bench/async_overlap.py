@@ -47,17 +47,13 @@ def train(out, *overrides, server=None, core=None):
     """One run as a user starts it; returns its metrics and wall time."""
     prefix, threads = pinned(core)
     cmd = [*prefix, "bash", "run.sh", RECIPE, *(["--server-url", server] if server else [])]
-    env = {**os.environ, "MTGRPO_LAYOUT": "server" if server else "local", **threads}
+    env = {"MTGRPO_LAYOUT": "server" if server else "local", **threads}
     t = time.time()
-    r = subprocess.run(
-        [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        sys.exit(f"run {out} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    args = [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", *overrides]
+    with started(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        stdout, stderr = p.communicate()
+    if p.returncode:
+        sys.exit(f"run {out} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))], time.time() - t
 
 
@@ -67,33 +63,63 @@ def reached(h, threshold=0.8):
 
 
 @contextlib.contextmanager
-def served(cmd, url, timeout, env=None):
-    """A server (`bash run.sh serve`, the stand-in) in a session of its own, healthy within `timeout` s, for the
-    block. However the block ends its whole process group is stopped (SIGTERM, then SIGKILL after 30 s): a SIGTERM
-    to the bench (`timeout` sends one) becomes SystemExit, so this runs then too."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    p = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+def started(cmd, env=None, **kw):
+    """`cmd` in a session of its own, for the block. However the block ends (SIGTERM, as `timeout` sends, or SIGHUP
+    becomes SystemExit; Ctrl-C KeyboardInterrupt), its process group is stopped, and with it the groups its processes
+    started in sessions of their own (run.sh's torchrun and vLLM server): SIGTERM, then SIGKILL to what is left after
+    30 s. A SIGKILL to the bench itself leaves them running: nothing can run then."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
+    p = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, env={**os.environ, **(env or {})}, **kw)
     try:
+        yield p
+    finally:  # no signal cuts the stop short; the bench's handlers are back once it is done
+        kept = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        groups = process_groups(p.pid)  # before any of them ends: a child of an ended process has another parent
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for group in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(30)  # run.sh's ranks finish their step and save on SIGTERM
+            groups = [g for g in groups if alive(g)]
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
+def process_groups(pid):
+    """The process group of `pid` and those of the processes it started, and they started (read from /proc)."""
+    procs = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{d}/stat") as f:
+            procs[int(d)] = [int(x) for x in f.read().rsplit(")", 1)[1].split()[1:3]]  # its parent, its group
+    groups, todo = {pid}, [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [c for c, (ppid, _) in procs.items() if ppid == parent]
+        groups.update(procs[c][1] for c in kids)
+        todo += kids
+    return sorted(groups)
+
+
+def alive(group):
+    try:
+        os.killpg(group, 0)
+        return True
+    except (ProcessLookupError, PermissionError):  # gone (its number is not ours to signal if another took it)
+        return False
+
+
+@contextlib.contextmanager
+def served(cmd, url, timeout, env=None):
+    """A server (`bash run.sh serve`, the stand-in), `started`, healthy within `timeout` s, for the block."""
+    with started(cmd, env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
         end = time.time() + timeout
         while not healthy(url):
             if time.time() > end or p.poll() is not None:
                 sys.exit(f"the server ({' '.join(cmd[:4])} ...) was not healthy within {timeout} s")
             time.sleep(1)
         yield
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
 
 
 def healthy(url):

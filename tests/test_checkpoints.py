@@ -196,24 +196,25 @@ def test_resume_applies_a_changed_learning_rate_schedule_and_adamw_and_says_so(t
         "learning_rate=0.02",
         "weight_decay=0.1",
         "adam_betas=[0.8,0.99]",
+        "num_iterations=2",
         "resume_from_checkpoint=auto",
     )
     run = M.setup(cfg)
     try:
-        assert run.start == 2 and run.scheduler.base_lrs == [0.02]
+        assert run.start == 2 and run.scheduler.base_lrs == [0.02] and run.scheduler.last_epoch == 2 * 2
         g = run.optimizer.param_groups[0]
-        assert g["lr"] == pytest.approx(0.02 * (1 - 2 / 4)), "step 3's rate, on the new schedule"
+        assert g["lr"] == pytest.approx(0.02 * (1 - 2 / 4)), "step 3's rate, on the new schedule (2 updates a step)"
         assert g["initial_lr"] == 0.02 and g["weight_decay"] == 0.1 and g["betas"] == (0.8, 0.99)
         assert run.optimizer.state, "the moments were restored"
     finally:
         run.rollouts.close()
         run.close([])
     assert (
-        "the recipe changes learning_rate 0.01 -> 0.02, max_steps 2 -> 4, weight_decay 0.0 -> 0.1, adam_betas "
-        "[0.9, 0.999] -> [0.8, 0.99]"
+        "the recipe changes learning_rate 0.01 -> 0.02, max_steps 2 -> 4, num_iterations 1 -> 2, weight_decay 0.0 -> "
+        "0.1, adam_betas [0.9, 0.999] -> [0.8, 0.99]"
     ) in capsys.readouterr().out
     hist = M.train(cfg)
-    assert [h["loss/lr"] for h in hist] == pytest.approx([0.02 * (1 - 3 / 4), 0.0])
+    assert [h["loss/lr"] for h in hist] == pytest.approx([0.02 * (1 - 3 / 4), 0.0]), "after each step's 2 updates"
     assert M.load_config(f"{tmp_path}/run/config.yaml").learning_rate == 0.02
 
 

@@ -425,9 +425,11 @@ def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
         p.wait()
 
 
-def test_a_bench_stopped_by_sigterm_stops_its_servers_whole_process_group(tmp_path):
-    """bench/async_overlap.py's servers (`bash run.sh serve`, the stand-in) run in `served`: a SIGTERM to the bench's
-    process group, as `timeout` sends, stops the server's whole group too (here a server with a child process)."""
+def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_process_groups(tmp_path):
+    """bench/async_overlap.py starts every process (`bash run.sh serve`, the stand-in, `bash run.sh --server-url`) in
+    `started`: a SIGTERM to the bench's process group, as `timeout` sends, stops each one's whole group too, and the
+    groups they started in sessions of their own (here a server with a child process, and a run.sh that starts one
+    in a session of its own, as run.sh starts torchrun)."""
     port = M.free_port()
     server = tmp_path / "server.py"
     server.write_text(
@@ -439,24 +441,35 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_whole_process_group(tmp_pa
         "        self.end_headers()\n"
         f"http.server.HTTPServer(('127.0.0.1', {port}), Health).serve_forever()\n"
     )
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "run.sh").write_text(f"setsid sleep 600 &\necho $$ $! > {tmp_path / 'train'}\nwait\n")
     bench = (
         f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
         f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
-        "    print('healthy', flush=True)\n    time.sleep(600)\n"
+        "    print('healthy', flush=True)\n"
+        f"    B.ROOT = {str(tmp_path / 'root')!r}\n"
+        f"    B.train({str(tmp_path / 'run')!r}, server='http://127.0.0.1:{port}')\n"
     )
     p = subprocess.Popen(
         [sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
-    pids = []
+    pids, train = [], []
     try:
         assert p.stdout.readline() == "healthy\n"
         pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
         assert group_of(pids[0]) == sorted(pids), "the server and its child form a process group of their own"
+        deadline = time.time() + 60
+        while len(train) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                train = [int(x) for x in (tmp_path / "train").read_text().split()]
+        assert group_of(train[0]) == train[:1] and group_of(train[1]) == train[1:], "run.sh and its own session"
         os.killpg(p.pid, signal.SIGTERM)
         assert p.wait(timeout=60) == 143
         assert not group_of(pids[0], wait=10), "the bench left its server running"
+        assert not group_of(train[0], wait=10) and not group_of(train[1]), "the bench left its training run running"
     finally:
-        for group in (p.pid, *pids[:1]):
+        for group in (p.pid, *pids[:1], *train):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
         p.wait()
