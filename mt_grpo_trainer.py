@@ -354,6 +354,7 @@ class Episode:
     advantages: list[float] = field(default_factory=list)  # one per assistant turn (ep.turns): its tokens' advantage
     group: int = 0  # its prompt's place in the batch: the episodes of a group share the prompt
     node: tuple = ()  # branching: the path (root, child, ...) of the node that samples its next turn
+    session: int = 0  # the sampler's key for it and its branches (a server keeps them on one server)
     turn_nodes: list[tuple] = field(default_factory=list)  # per assistant turn, the node that sampled it
     shared_tokens: int = 0  # sampled tokens it holds as context: the path it branched from trains them
     raw: dict[int, str] = field(default_factory=dict)  # message index -> sampled text of that assistant turn
@@ -718,6 +719,9 @@ TOOL_FORMATS = {"xml": XMLTools, "native": NativeTools}
 # === 5. The environment: rollouts, tool calls, and the token buffers that become samples ===
 
 
+SESSIONS = itertools.count(1)  # every episode's sampler session, unique in this process
+
+
 class MultiTurnToolEnv:
     """Rollouts with tools, and the token buffers that become samples (I1-I6): `next_prompt` grows a sample or forks
     one, `step` records a sampled turn, `run_tools` answers its calls. The chat template's side (rendering, the
@@ -855,7 +859,7 @@ class MultiTurnToolEnv:
         prompt roots_per_prompt times in a row; with branching, an episode goes on b ways after a tool result."""
         active = eps = [self.new_episode(r) for r in rows]
         for i, ep in enumerate(eps):
-            ep.group, ep.node = i // roots_per_prompt(self.cfg), (i,)
+            ep.group, ep.node, ep.session = i // roots_per_prompt(self.cfg), (i,), next(SESSIONS)
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
         knobs = (0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
         while active:
@@ -869,7 +873,8 @@ class MultiTurnToolEnv:
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
-                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs)
+                sessions = [active[i].session for i in live]
+                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs, sessions)
                 pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
                 self.run_tools(pending)
                 if self.cfg.branch_width > 1 and not greedy:  # at the first branch_depth tool results of each path
@@ -1720,7 +1725,8 @@ def summarize(cfg: Config, history: list[dict]):
 
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
 # What the loop uses of a sampler (LocalSampler, VLLMServerClient; a new one is a class and one line in setup()):
-# - generate(prompts, max_tokens, temperature, top_p, stop, generator) -> one Completion per prompt, in order;
+# - generate(prompts, max_tokens, temperature, top_p, stop, generator, sessions) -> one Completion per prompt, in
+#   order; sessions: one key per prompt, its episode's (branches share their root's), None when there are none;
 # - policy_version: None if it samples from the weights being trained (nothing to sync or check), else the version of
 #   its weights, which only sync_weights(model, state_dict, version) sets: rank 0's call with the full state dict, the
 #   others' with None once it returned; then probe_logprobs(ids), rank 0's, the logprobs of ids[1:] at temperature 1;
@@ -1740,13 +1746,7 @@ class LocalSampler:
 
     @torch.no_grad()
     def generate(
-        self,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: tuple[str, ...] = (),
-        generator: torch.Generator | None = None,
+        self, prompts, max_tokens: list[int], temperature=1.0, top_p=1.0, stop=(), generator=None, sessions=None
     ):
         model, dev = self.model, next(self.model.parameters()).device
         was_training = model.training
@@ -1902,14 +1902,8 @@ class VLLMServerClient:
         )
 
     def generate(
-        self,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop: tuple[str, ...] = (),
-        generator=None,
-    ) -> list[Completion]:
+        self, prompts, max_tokens: list[int], temperature=1.0, top_p=1.0, stop=(), generator=None, sessions=None
+    ):
         groups: dict[tuple, list[int]] = {}
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             groups.setdefault((tuple(p), m), []).append(i)

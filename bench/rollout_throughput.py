@@ -29,7 +29,7 @@ from tools.kv_lookup import lookup  # noqa: E402
 
 
 class SequentialClient(M.VLLMServerClient):
-    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), generator=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, top_p=1.0, stop=(), generator=None, sessions=None):
         return [self.complete(p, 1, m, temperature, top_p, stop)[0] for p, m in zip(prompts, max_tokens)]
 
 

@@ -27,7 +27,7 @@ class ScriptedSampler:
         self.tok, self.script, self.finish = tok, script, finish or {}
         self.prompts, self.sent = [], []
 
-    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None):
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
         outs = []
         for p in prompts:
             k = len(self.prompts)

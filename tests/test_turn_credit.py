@@ -139,7 +139,7 @@ def test_a_branching_rollout_samples_the_shared_prefix_once_and_trains_each_samp
 class BySampleCount(ScriptedSampler):
     """Scripted turns by the number of assistant turns the prompt already holds, so that every path follows it."""
 
-    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None):
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
         outs = []
         for p in prompts:
             turn = self.tok.decode(p).count("<reasoning>")
