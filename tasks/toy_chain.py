@@ -20,7 +20,9 @@ Design:
   key from the question or a result in the next query. Then 75 steps on a mix: at lookup turn k it looks the
   next key up with probability p_call[k] = 0.45, 0.45, 0.7, else it stops and guesses a random colour. Every
   demonstration writes the colour it answers in its reasoning first (`A guess:blue.`, `The chain ends at
-  "red".`), so the <answer> tag always repeats the colour just before it.
+  "red".`), so the <answer> tag always repeats the colour just before it. The build took 147 s (102 s of CPU,
+  one thread) on the shared 2-core machine under other jobs' load; the keys are reproduced only after about 175-250
+  steps of the first phase (a sudden change in the loss), which sets its length.
 
 The warm-started policy (measured on the build alone, before any RL, with OMP_NUM_THREADS=1 as the bench runs):
 - P(look up) at the first token of each lookup turn, after a right prefix: 0.43, 0.48, 0.58. So the greedy
@@ -82,6 +84,16 @@ may not move the second hop past 0.5 in 30 steps on any seed; then MT-GRPO and G
 held-out eval, and their difference shows only in the training metrics (first-turn call rate, per-hop right
 rate). And RL reinforces lucky guesses: on training chains a guess may come to recall a start key's colour, which
 raises training exact match without tool use and does not carry to the held-out chains.
+
+Run before the measurement, after the prediction above was written, only to check that the task trains (seed 0,
+the recipe's settings, 5 steps each, OMP_NUM_THREADS=1; about 2 s a step on the shared machine), and not used to
+change anything:
+- `advantage_mode=grpo_outcome`: the first-turn call rate (`rollout/tool_rate_turn0`) went 0.34 -> 0.28; greedy
+  held-out exact match 0.25 at step 5.
+- `advantage_mode=mt_grpo` (`first_hop_reward`): the call rates at turns 0, 1, 2 went from 0.34, 0.16, 0.03 to
+  0.81, 0.59, 0.44 at step 5, so the first turn's credit raised the same decision at the later turns too; 9% of
+  episodes then called a fourth time (after the colour) and ended at max_env_steps unanswered, and training exact
+  match fell to 0.06. Greedy held-out exact match 0.667 at step 5 (first lookup right on 0.875).
 """
 
 import json
@@ -121,7 +133,7 @@ def row(start: str, question: str) -> dict:
 
 
 def make_dataset(n: int = 512, seed: int = 0):
-    """Rows `{prompt, start, chain, answer}` about the 16 training chains."""
+    """Rows `{prompt, start, chain, answer}` about the 12 training chains."""
     rng = random.Random(seed)
     return [row(k, rng.choice(QUESTIONS)) for k in (rng.choice(TRAIN_CHAINS) for _ in range(n))]
 
