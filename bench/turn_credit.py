@@ -14,8 +14,8 @@ Decided before any run (the task's docstring has the design and the prediction):
   what each really sampled;
 - the reading: held-out exact match (greedy, 24 prompts) at the last step, per seed, paired against MT-GRPO and
   MT-GRPO against GRPO-OR; the goal is branching above MT-GRPO and MT-GRPO above GRPO-OR on at least 4 of 5 seeds.
-Also reported: steps until the trailing-5-step training exact match reaches --target, each hop's accuracy in the
-held-out episodes (the lookup of turn k names the chain's next key), sampled and trained tokens, and wall time.
+Also reported: steps until the trailing-5-step training exact match reaches --target, how far the held-out episodes
+got (the share that took hops 1, 2 and 3 of the chain in order), sampled and trained tokens, and wall time.
 Runs go to bench/runs/turn-credit/N-steps/; a finished run is reused.
 """
 
@@ -56,13 +56,13 @@ def train(method: str, seed: int, steps: int, runs_dir: str) -> list[dict]:
 
 
 def hop_accuracy(run_dir: str, steps: int) -> list[float]:
-    """Each hop's accuracy over the held-out episodes: the share whose lookup at turn k named the chain's next key."""
+    """Per hop k, the share of the held-out episodes that took the chain's first k hops in order."""
     eps = [json.loads(line) for line in open(os.path.join(run_dir, "eval", f"step-{steps}.jsonl"))]
     rows = {r["row"]: r for r in eps}
     from tasks.toy_chain import make_eval_dataset
 
     per_hop = [hops(rows[i]["messages"], row["chain"]) for i, row in enumerate(make_eval_dataset())]
-    return [statistics.mean(h[k] if k < len(h) else 0.0 for h in per_hop) for k in range(3)]
+    return [statistics.mean(sum(h) > k for h in per_hop) for k in range(3)]
 
 
 def steps_to(metrics: list[dict], target: float, window: int = 5):
