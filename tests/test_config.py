@@ -42,7 +42,7 @@ def test_unknown_key_names_the_key_and_the_closest_valid_one(tmp_path):
         ("scale_rewards: 1\n", "'scale_rewards' must be bool"),
         ("tools: tools/kv_lookup.py:lookup\n", "'tools' must be a list"),
         ("turn_reward_weights: [1, x]\n", r"'turn_reward_weights\[1\]' must be float"),
-        ("advantage_mode: ppo\n", "'advantage_mode' must be one of mt_grpo, grpo_outcome, grpo_merged"),
+        ("advantage_mode: ppo\n", "'advantage_mode' must be one of mt_grpo, mt_grpo_merged_fallback, grpo_outcome"),
         (
             "outcome_reward_weights: [1.0, 2.0]\n",
             "'outcome_reward_weights' has 2 entries but 'outcome_reward_funcs' has 1",
