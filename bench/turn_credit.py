@@ -87,7 +87,10 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--target", type=float, default=0.5, help="training exact match for 'steps to' (a guess: 0.25)")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="which to run")
     args = ap.parse_args()
+    for m in set(METHODS) - set(args.methods):
+        del METHODS[m]
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per trainer: 2 shared cores oversubscribe otherwise
     runs_dir = os.path.join(ROOT, "bench", "runs", "turn-credit", f"{args.max_steps}-steps")
     runs = {(m, s): train(m, s, args.max_steps, runs_dir) for s in args.seeds for m in METHODS}
@@ -101,7 +104,8 @@ def main():
         em = [res[(m, s)]["exact"] for s in args.seeds]
         print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in em) + f" | {mean(em):.3f} |")
     print("\nPaired per seed (held-out exact match, difference per seed, then wins, mean and spread):\n")
-    for a, b in (("tree", "mt_grpo"), ("mt_grpo", "grpo_or"), ("reward_to_go", "mt_grpo"), ("tree", "reward_to_go")):
+    pairs = ("tree", "mt_grpo"), ("mt_grpo", "grpo_or"), ("reward_to_go", "mt_grpo"), ("tree", "reward_to_go")
+    for a, b in [(a, b) for a, b in pairs if a in METHODS and b in METHODS]:
         d = [res[(a, s)]["exact"] - res[(b, s)]["exact"] for s in args.seeds]
         sd = statistics.stdev(d) if len(d) > 1 else 0.0
         print(
