@@ -249,7 +249,7 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
             calls, out = recording(client), {}
             worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [256] * 64, 1.0)))
             wait_until_generating(real_vllm.url, worker)
-            with client.weight_update(10 + attempt):  # pause (abort) ... resume, as every weight sync does
+            with client.weight_update(list(client.servers), 10 + attempt):  # pause (abort) ... resume, as a sync does
                 time.sleep(0.3)
             worker.join(timeout=300)
             aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
@@ -363,7 +363,7 @@ def test_cache_salt_keeps_other_weights_kv_out_of_the_prefix_cache(real_vllm, to
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
     client.generate([prompt], [4], 1.0)  # same salt: the prompt's KV blocks are reused
     reused = metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before
-    client.policy_version += 1  # as after a weight sync: a new salt
+    client.policy_version = client.servers[0].version = 1  # as after a weight sync: a new salt
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
     client.generate([prompt], [4], 1.0)
     assert reused >= 100 and metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before == 0

@@ -53,7 +53,7 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
         {"prompt": "what is bravo?", "key": "bravo", "value": "y"}
     ] * 4
     parsed, parse = [], client.completion  # every completion the client made of a reply, as it returned it
-    client.completion = lambda c, version=0: parsed.append(out := parse(c, version)) or out
+    client.completion = lambda c, version, url: parsed.append(out := parse(c, version, url)) or out
     eps = env.rollout(rows, client)
     reqs = completions(server)
     first = reqs[:2]
