@@ -1864,7 +1864,7 @@ class VLLMServerClient:
         self.adapters = []  # LoRA: (name, folder) of the adapters loaded on the servers, oldest first
         self.stop_event = stop_event or threading.Event()  # set on SIGTERM/Ctrl-C: requests stop retrying
         deadline = min(60.0, cfg.request_deadline)
-        info = [self.request("GET", "/v1/models", deadline, server=s)["data"][0] for s in self.servers]
+        info = [self.request("GET", "/v1/models", deadline=deadline, server=s)["data"][0] for s in self.servers]
         if len({i["id"] for i in info}) > 1:  # requests name one model
             raise SamplerError(f"the vLLM servers {self.url} serve different models: {[i['id'] for i in info]}")
         self.model, self.max_model_len = info[0]["id"], min(int(i["max_model_len"]) for i in info)
@@ -1954,21 +1954,21 @@ class VLLMServerClient:
                 self.none_since = self.none_since or time.monotonic()
                 waited = time.monotonic() - self.none_since
             if waited >= self.cfg.server_dead_timeout or self.stop_event.wait(1.0):
-                raise self.none_left(waited)
+                why = "stopped by SIGTERM or Ctrl-C" if self.stop_event.is_set() else "server_dead_timeout"
+                raise self.none_left(f"to sample from after {waited:.0f}s ({why})")
             for s in self.servers:  # back after a hiccup with the weights it had: usable again
                 if s.down_since is not None and s.version == self.policy_version and self.healthy(s):
                     s.down_since = None
 
-    def none_left(self, waited: float) -> SamplerError:
+    def none_left(self, doing: str) -> SamplerError:
+        """Every server is down: the error that stops the run, with each one's log tail (run.sh's MTGRPO_VLLM_LOG)."""
         tails = ""
         for s in self.servers:
-            with contextlib.suppress(OSError), open(s.log, errors="replace") as f:  # run.sh's MTGRPO_VLLM_LOG
+            with contextlib.suppress(OSError), open(s.log, errors="replace") as f:
                 tails += f"\nLast lines of the log of {s.url} ({s.log}):\n" + "".join(f.readlines()[-20:])
-        why = "stopped (SIGTERM or Ctrl-C) while waiting" if self.stop_event.is_set() else "server_dead_timeout"
         return SamplerError(
-            f"no vLLM server could be sampled from for {waited:.0f}s ({why}): {self.url} failed GET /health, or missed "
-            f"a weight sync while down. Their processes are gone or their engines died; saved checkpoints are "
-            f"unaffected.{tails}"
+            f"no vLLM server is left {doing}: {self.url} failed GET /health (their processes are gone or their engines "
+            f"died) or missed a weight sync while down; saved checkpoints are unaffected.{tails}"
         )
 
     def generate(
@@ -2004,7 +2004,9 @@ class VLLMServerClient:
             body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
             s = self.route(sessions, n)
             try:
-                reply = self.request("POST", "/v1/completions", max(1.0, end - time.monotonic()), server=s, json=body)
+                reply = self.request(
+                    "POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()), server=s, json=body
+                )
             except ServerDown:  # its sessions go on on another server
                 continue
             finally:
@@ -2035,7 +2037,7 @@ class VLLMServerClient:
         cache = np.zeros(2)
         for s in (s for s in self.servers if s.down_since is None):
             with contextlib.suppress(SamplerError):  # a server without /metrics, or down: nothing to add
-                text = self.request("GET", "/metrics", 10.0, plain=True, server=s)["text"].splitlines()
+                text = self.request("GET", "/metrics", deadline=10.0, plain=True, server=s)["text"].splitlines()
                 now = [
                     sum(float(x.split()[-1]) for x in text if x.startswith(f"vllm:prefix_cache_{k}_total"))
                     for k in ("queries", "hits")
@@ -2094,7 +2096,7 @@ class VLLMServerClient:
             except ServerDown:
                 servers.remove(s)
         if not servers:
-            raise SamplerError(f"no vLLM server answered {method} {path}: each one is down ({self.url})")
+            raise self.none_left(f"to answer {method} {path}")
         return replies
 
     def sync_weights(self, model, state_dict: dict | None, version: int):
@@ -2158,7 +2160,9 @@ class VLLMServerClient:
         """Unload a LoRA adapter from every server that is up (one taken back since it was loaded never had it)."""
         for s in (s for s in self.servers if s.down_since is None):
             with contextlib.suppress(SamplerError):
-                self.request("POST", "/v1/unload_lora_adapter", 30.0, plain=True, server=s, json={"lora_name": name})
+                self.request(
+                    "POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json={"lora_name": name}
+                )
 
     @contextlib.contextmanager
     def weight_update(self, servers: list[Server], version: int, pause: bool = True):
@@ -2654,8 +2658,6 @@ def in_range(value: float, interval: str) -> bool:
 def _coerce(name: str, value, typ):
     """Check `value` against the field type; floats take numeric strings (YAML reads 1e-6 so), strings take ints."""
     if typing.get_origin(typ) is list:
-        if isinstance(value, str) and typing.get_args(typ)[0] is str:  # one item, or several comma-separated
-            value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list):
             return [_coerce(f"{name}[{i}]", v, typing.get_args(typ)[0]) for i, v in enumerate(value)]
     elif isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
@@ -2686,6 +2688,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         k, v = ov.split("=", 1)
         k = k.strip()
         raw[k] = v if hints.get(k) is str else read_yaml(v, f"the value of override '{ov}'") if v.strip() else ""
+    if isinstance(raw.get("vllm_server_url"), str):  # one URL alone, or several comma-separated
+        raw["vllm_server_url"] = [u.strip() for u in raw["vllm_server_url"].split(",") if u.strip()]
     values = {}
     for k, v in raw.items():
         if k not in hints:

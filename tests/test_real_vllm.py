@@ -171,7 +171,9 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
-    with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's by 0\.00 of that") as e:
+    with pytest.raises(
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's by 0\.00 of that"
+    ) as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
     print(e.value)
 
