@@ -35,6 +35,11 @@ The invariants (each has tests; comments below cite them as I1-I6):
 
 Reading order: config, data types, the method as pure functions (rewards, advantages, loss), tool formats,
 the environment, the train step and loop, the CLI; then an appendix of plumbing the method does not depend on.
+The four things changed most, each in one place:
+- credit: an advantage mode, a function from one group to one advantage per assistant turn (ADVANTAGE_MODES);
+- a tool format: one class that owns what its calls and results look like (TOOL_FORMATS);
+- a sampler: one class behind the interface written at the top of appendix C, and the line in `setup` that picks it;
+- a task: a dataset, tools, reward functions and a recipe, loaded by path (`file.py:name`; see Config).
 
 Run: `bash run.sh [eval] [RECIPE.yaml [key=value ...]]` (sets up, and starts a vLLM server where the layout has one),
 or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` documents every recipe key.
@@ -440,11 +445,20 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     return centred / (r.std(ddof=1) + 1e-4) if scale else centred
 
 
-def leave_one_out(values, scale: bool = True) -> np.ndarray:
-    """Each value minus the mean of the others (an unbiased baseline: it does not depend on the value's own
-    trajectory), divided by the values' std with `scale` (as GRPO does; that division is not unbiased)."""
-    n = len(values)
-    return group_normalize(values, scale) * (n / (n - 1)) if n > 1 else np.zeros(n)
+def leave_one_out(values) -> np.ndarray:
+    """Each value minus the mean of the others: an unbiased baseline, as it does not depend on the value's own
+    trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n)."""
+    v, n = np.asarray(values, dtype=np.float64), len(values)
+    return (v - (v.sum() - v) / (n - 1)) if n > 1 else np.zeros(n)
+
+
+def return_scale(turn_R, outcome_R, cfg: Config) -> float:
+    """With scale_rewards, the std of the group's returns (every turn reward and the outcome), which the per-turn modes
+    divide by, as GRPO divides by its rewards' std (so a step's size does not depend on the reward's units; like
+    GRPO's, the division is not unbiased); 1 without it, or when the returns do not spread."""
+    returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
+    spread = len(returns) > 1 and np.ptp(returns) > 1e-6 * max(1.0, float(np.abs(returns).max()))
+    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_rewards and spread else 1.0
 
 
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -481,13 +495,12 @@ def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Conf
 def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """Per-turn rewards without branching: turn k gets its reward-to-go (its own and later turns' rewards, and the
     outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
-    that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it. Centred,
-    never scaled (scale_rewards does not apply: the returns' std is not a reward-to-go's)."""
-    returns = np.array([sum(r) + o for r, o in zip(turn_R, outcome_R)])
-    others = (returns.sum() - returns) / max(len(returns) - 1, 1)  # each episode's leave-one-out baseline
+    that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it."""
+    returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
+    base, scale = np.subtract(returns, leave_one_out(returns)), return_scale(turn_R, outcome_R, cfg)
     return [
-        [float(sum(r[k:]) + o - b) for k in range(len(ep.turns))]
-        for ep, r, o, b in zip(episodes, turn_R, outcome_R, others)
+        [float((sum(r[k:]) + o - b) / scale) for k in range(len(ep.turns))]
+        for ep, r, o, b in zip(episodes, turn_R, outcome_R, base)
     ]
 
 
@@ -496,8 +509,8 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
     (`ep.turn_nodes`); its value Q is its turns' rewards plus, below it, the mean Q of its children (a leaf: its
     episode's outcome). Its advantage is Q minus the mean Q of its siblings, which continued from the same tokens
     (leave-one-out: a baseline from the same state, unbiased however each path ends); every turn of a node, on every
-    path through it, gets the node's advantage. Without branching each episode is one node and this is GRPO-MR with
-    a leave-one-out baseline."""
+    path through it, gets the node's advantage, divided by the group's return_scale. Without branching each episode is
+    one node and this is GRPO-MR with a leave-one-out baseline."""
     nodes = {}  # path -> [turn rewards per episode through it, its episodes' outcome if a leaf]
     for ep, r, o in zip(episodes, turn_R, outcome_R):
         for d in range(1, len(ep.node) + 1):
@@ -509,11 +522,10 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
         rest = np.mean([q(c) for c in children]) if children else nodes[path][1]
         return float(np.mean(nodes[path][0])) + rest
 
-    values = {p: q(p) for p in nodes}
-    advantage = {}
+    values, advantage, scale = {p: q(p) for p in nodes}, {}, return_scale(turn_R, outcome_R, cfg)
     for parent in {p[:-1] for p in nodes}:
         siblings = [p for p in nodes if p[:-1] == parent]
-        advantage.update(zip(siblings, leave_one_out([values[p] for p in siblings], cfg.scale_rewards)))
+        advantage.update(zip(siblings, leave_one_out([values[p] for p in siblings]) / scale))
     return [[float(advantage[n]) for n in ep.turn_nodes] for ep in episodes]
 
 

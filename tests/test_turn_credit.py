@@ -82,8 +82,10 @@ def test_reward_to_go_credits_a_turn_with_what_comes_after_it_against_the_other_
     returns = [1.2, 0.0, 1.3]
     others = [(sum(returns) - r) / 2 for r in returns]
     want = [[1.2 - others[0], 0.9 - others[0], 1.0 - others[0]], [0.0 - others[1]], [1.3 - others[2], 1.0 - others[2]]]
-    got = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config())
+    got = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config(scale_rewards=False))
     assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
+    scaled = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config())  # by the std of the group's returns
+    assert np.allclose([a for e in scaled for a in e], [a / (np.std(returns, ddof=1) + 1e-4) for e in want for a in e])
 
 
 def test_tree_advantages_are_node_values_against_their_siblings():
@@ -97,10 +99,12 @@ def test_tree_advantages_are_node_values_against_their_siblings():
     turn_R, out = [[0.3, 0.1], [0.3, 0.0], [0.0]], [1.0, 0.0, 1.0]
     q00, q01, q1 = 0.1 + 1.0, 0.0 + 0.0, 1.0
     q0 = 0.3 + (q00 + q01) / 2
-    cfg = M.Config(scale_rewards=False)
-    got = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, cfg)
+    got = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config(scale_rewards=False))
     want = [[q0 - q1, q00 - q01], [q0 - q1, q01 - q00], [q1 - q0]]
     assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
+    scaled = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config())  # every node by one scale: the returns' std
+    std = np.std([0.3 + 0.1 + 1.0, 0.3, 1.0], ddof=1) + 1e-4
+    assert np.allclose([a for e in scaled for a in e], [a / std for e in want for a in e])
     # the node weights: a root stands for b^depth leaves, a child of depth 1 for b^(depth - 1)
     cfg = M.Config(num_generations=8, branch_width=2, branch_depth=2)
     assert [M.node_weight(n, cfg) for n in [(0,), (0, 1), (0, 1, 1)]] == [4.0, 2.0, 1.0]
