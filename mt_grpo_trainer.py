@@ -1938,8 +1938,8 @@ class VLLMServerClient:
             self.lost += first
         if first:
             self.say(
-                f"[mt-grpo] the vLLM server at {s.url} is down ({failed}; GET /health too): its sessions go on on the "
-                "other servers; a weight sync takes it back once it answers again"
+                f"[mt-grpo] the vLLM server at {s.url} is down ({failed}; GET /health too): its sessions go on "
+                "on the others; a weight sync takes it back once it answers again"
             )
         raise ServerDown(f"the vLLM server at {s.url} is down: {failed} and so did GET /health")
 
@@ -1953,8 +1953,7 @@ class VLLMServerClient:
                 if usable:
                     s = next((self.sessions[k] for k in sessions if self.sessions.get(k) in usable), None)
                     if s is None:
-                        order = lambda x: (x.busy, (self.servers.index(x) - self.turn) % len(self.servers))
-                        s = min(usable, key=order)
+                        s = min(usable, key=lambda x: (x.busy, (self.servers.index(x) - self.turn) % len(self.servers)))
                         self.turn = self.servers.index(s) + 1
                     for k in sessions:
                         self.sessions[k] = s
@@ -2034,10 +2033,10 @@ class VLLMServerClient:
         return [self.completion(c, version, s.url) for c in replies]
 
     def stats(self) -> dict:
-        """Since the last call: each server's share of the requests and of the tokens (prompt and sampled) it served,
-        how even that was (the mean server's tokens over the busiest's: 1 = even), the servers found down, and the
-        prefix-cache hit rate over the servers, from their own counters (GET /metrics, in prompt tokens): how much of
-        what was sent again (a turn's history, a sibling's shared prefix) they did not recompute."""
+        """Since the last call: each server's share of the requests and tokens (prompt and sampled) served, how even (the
+        mean server's tokens over the busiest's), the servers found down, and the prefix-cache hit rate from their own
+        counters (GET /metrics, prompt tokens): how much of what was sent again (a turn's history, a sibling's shared
+        prefix) they did not recompute."""
         with self.lock:
             served, lost, self.lost = np.array([s.served for s in self.servers], dtype=float), self.lost, 0
             for s in self.servers:
@@ -2063,14 +2062,8 @@ class VLLMServerClient:
     def probe_logprobs(self, ids: list[int]) -> dict[str, list[float]]:
         """Each server's logprob of every token of `ids` given those before it (temperature 1), by URL: the weight-sync
         check. Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
-        body = {
-            "model": self.model_for(self.policy_version),
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 1.0,
-            "prompt_logprobs": 0,
-            "cache_salt": f"{self.run_tag}-probe-v{self.policy_version}",
-        }
+        body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0}
+        body.update(prompt_logprobs=0, cache_salt=f"{self.run_tag}-probe-v{self.policy_version}")
         servers = [s for s in self.servers if s.down_since is None and s.version == self.policy_version]
         out = {}
         for s, reply in zip(servers, self.each(servers, "POST", "/v1/completions", json=body)):
