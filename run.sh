@@ -20,7 +20,8 @@
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
 # server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; 0.0.0.0 serves other nodes), MTGRPO_VLLM_LOG
 # (vllm-PORT.log; with several servers NAME.log becomes NAME-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
-# MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1).
+# MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1),
+# MTGRPO_VLLM_ARGS (more flags for every server, e.g. --block-size 32).
 # Several nodes (docs/layouts.md): MTGRPO_NNODES (1), MTGRPO_NODE_RANK, MTGRPO_MASTER_ADDR, MTGRPO_MASTER_PORT (29500).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -151,7 +152,7 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
     kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ \
     env VLLM_SERVER_DEV_MODE=1 "${@:3}" --host "$HOST" --port "$port" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm \
-    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} >"$log" 2>&1 &
+    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-} >"$log" 2>&1 &
   VLLM_PIDS+=($!); URLS+=("$url"); LOGS+=("$(realpath -m "$log")")
   trap stop_servers EXIT
   trap 'exit 130' INT
