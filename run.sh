@@ -113,6 +113,13 @@ case "$LAYOUT" in
   *) echo "[run.sh] error: MTGRPO_LAYOUT must be server or local, got '$LAYOUT'" >&2; exit 1 ;;
 esac
 
+RDZV=(--standalone)
+if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs this, all with the same --server-url
+  [ -n "$SERVER_URL" ] || { echo "[run.sh] error: MTGRPO_NNODES=$MTGRPO_NNODES needs --server-url with every node's" \
+    "servers (started by \`bash run.sh serve\`), the same on every node: every rank samples from all of them" >&2; exit 1; }
+  RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
+        --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: node 0s address}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
+fi
 if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
   "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
 import sys, mt_grpo_trainer as M
@@ -259,13 +266,6 @@ else   # servers that run elsewhere, maybe still starting (another node's): wait
   [ "${MODE[*]:-}" = serve ] && { echo "[run.sh] error: 'serve' with --server-url has nothing to start" >&2; exit 1; }
   IFS=, read -ra URLS <<<"$CFG_vllm_server_url"
   wait_servers
-fi
-RDZV=(--standalone)
-if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs this, all with the same --server-url
-  [ -n "$SERVER_URL" ] || { echo "[run.sh] error: MTGRPO_NNODES=$MTGRPO_NNODES needs --server-url with every node's" \
-    "servers (started by \`bash run.sh serve\`), the same on every node: every rank samples from all of them" >&2; exit 1; }
-  RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
-        --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: node 0s address}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
 fi
 echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 # A SIGTERM or Ctrl-C to run.sh goes to the ranks (torchrun's children), which finish the step, save a checkpoint
