@@ -117,39 +117,60 @@ def prefix_counts(urls):
     return total
 
 
+def conversations(client, prompts, turns, result, affinity):
+    """Each prompt a conversation of `turns` turns, all in flight at once, each turn's prompt the last one plus its
+    completion and a tool result, as an episode's turns are; with `affinity` each is a session of its own."""
+    sessions = [next(M.SESSIONS) for _ in prompts] if affinity else None
+    for _ in range(turns):
+        outs = client.generate(prompts, [16] * len(prompts), 1.0, 1.0, (), None, sessions)
+        prompts = [p + c.ids + result for p, c in zip(prompts, outs)]
+
+
 def real(a, model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    rows = [r for r in M.load_rows(M.load_config(RECIPE).dataset)[:8] for _ in range(8)]
-    rates, hits = {}, {}
+    data = M.load_rows(M.load_config(RECIPE).dataset)
+    rates, hits, used = {}, {}, [0]
+
+    def take(k):  # rows not used before: no hit from an earlier rollout's prompts
+        used[0] += k
+        return data[used[0] - k : used[0]]
+
     for n in (1, 2):
         with real_servers(model, n) as urls, tempfile.TemporaryDirectory() as tmp:
             overrides = [f"vllm_server_url={','.join(urls)}", f"model_name_or_path={model}", f"output_dir={tmp}/run"]
             cfg = M.load_config(RECIPE, overrides)
-            kinds = {"affinity": M.VLLMServerClient} if n == 1 else {"affinity": M.VLLMServerClient, "none": NoAffinity}
-            for kind, cls in kinds.items():
+            env = M.MultiTurnToolEnv(tok, [lookup], cfg)
+            result = tok.encode("<|im_end|>\n<|im_start|>user\n<result>\nthe value is 42\n</result><|im_end|>\n")
+            for kind, cls in {"affinity": M.VLLMServerClient, "none": NoAffinity}.items():
                 client = cls(cfg, len(tok), {tok.eos_token_id})
-                env = M.MultiTurnToolEnv(tok, [lookup], cfg)
-                env.rollout(rows[:8], client)  # warm-up: the servers' first requests compile
-                took, before = [], prefix_counts(urls)
-                for _ in range(a.rollouts):
+                rows = lambda: [r for r in take(8) for _ in range(8)]
+                env.rollout(rows(), client)  # warm-up: the servers' first requests compile
+                took = []
+                for _ in range(a.rollouts if kind == "affinity" else 0):
                     t = time.perf_counter()
-                    eps = env.rollout(rows, client)
+                    eps = env.rollout(rows(), client)
                     took.append(time.perf_counter() - t)
                     turns = sum(len(ep.turns) for ep in eps) / len(eps)
+                if took:
+                    rates[n] = 64 / statistics.median(took)
+                    print(
+                        f"  {n} server(s): {rates[n]:.1f} episodes/s (median of {a.rollouts} rollouts, "
+                        f"{turns:.2f} turns an episode)",
+                        flush=True,
+                    )
+                prompts = [env.next_prompt(env.new_episode(r)) for r in take(64)]
+                before = prefix_counts(urls)
+                conversations(client, prompts, 4, result, kind == "affinity")
                 after = prefix_counts(urls)
                 hits[n, kind] = (after[1] - before[1]) / max(after[0] - before[0], 1)
-                rates[n, kind] = len(rows) / statistics.median(took)
-                print(
-                    f"  {n} server(s), {kind}: {rates[n, kind]:.1f} episodes/s (median of {a.rollouts}), "
-                    f"{turns:.2f} turns an episode, prefix-cache hits {hits[n, kind]:.3f}",
-                    flush=True,
-                )
-    print(f"\nreal vLLM CPU build, toy model, {len(rows)} episodes a rollout, {os.cpu_count()} CPU cores\n")
-    print("| servers | routing | episodes/s | over 1 server | prefix-cache hit rate |\n|---|---|---|---|---|")
-    for (n, kind), rate in rates.items():
-        print(f"| {n} | {kind} | {rate:.1f} | {rate / rates[1, 'affinity']:.2f}x | {hits[n, kind]:.3f} |")
+                print(f"  {n} server(s), {kind}: prefix-cache hit rate {hits[n, kind]:.3f}", flush=True)
+    print(f"\nreal vLLM CPU build, toy model, {os.cpu_count()} CPU cores: rollouts of 64 episodes (8 prompts x 8);")
+    print("64 conversations of 4 turns (16 sampled tokens and a tool result each), from the servers' GET /metrics\n")
+    print("| servers | episodes/s | over 1 server | hit rate, affinity | hit rate, none |\n|---|---|---|---|---|")
+    for n, rate in rates.items():
+        print(f"| {n} | {rate:.1f} | {rate / rates[1]:.2f}x | {hits[n, 'affinity']:.3f} | {hits[n, 'none']:.3f} |")
 
 
 def main():
