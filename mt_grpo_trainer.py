@@ -1229,11 +1229,11 @@ class Run:
         return m
 
     def check_probe(self, url: str, version: int, srv, again, own, held) -> list[float]:
-        """One server's sync check (rank 0): its probe logprobs match the trainer's, and moved since its last judged sync
-        as the trainer's did with the bf16 weights it sent. Returns mean |server - trainer|, the expected change, judged,
-        the server's share of it, since (the step of the reference) and the server's repeat noise."""
+        """One server's sync check (rank 0), the two of `sync`. Returns mean |server - trainer|, the expected change,
+        judged, the server's share of it, since (the step of its reference) and its repeat noise."""
         diff, repeat = float((srv - own).abs().mean()), float((again - srv).abs().mean())
-        since, ref_srv, ref_held, ref_gap = self.probe_ref.setdefault(url, (version, srv, held, diff))  # the first
+        # a server's first sync is its first reference
+        since, ref_srv, ref_held, ref_gap = self.probe_ref.setdefault(url, (version, srv, held, diff))
         change, judged, follow = float((held - ref_held).abs().mean()), 0.0, 0.0
         # Judged once the expected change is clearly above the server's noise, and a 20th of the bf16 gap (a far smaller
         # one may leave its bf16 arithmetic as it was); until then changes add up from the last judged sync.
@@ -1861,7 +1861,8 @@ class VLLMServerClient:
     def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop_event=None, say=print):
         self.cfg, self.say, self.vocab_size, self.stop_token_ids = cfg, say, vocab_size, sorted(stop_token_ids)
         logs = [os.path.abspath(p) for p in os.environ.get("MTGRPO_VLLM_LOG", "").split(",") if p]  # one per server
-        self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs + [""] * 99)]
+        logs += [""] * len(cfg.vllm_server_url)  # none for servers run.sh did not start
+        self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
