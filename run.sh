@@ -188,7 +188,7 @@ wait_servers() {   # every server in URLS healthy; one that exits first or is la
 }
 
 stop_servers() {   # each server's whole process group, also when its main process died alone: TERM, 20 s, then KILL
-  trap '' INT TERM HUP   # a second Ctrl-C does not cut the stop short
+  trap '' INT TERM HUP PIPE   # a second Ctrl-C does not cut the stop short, nor a reader of stderr that is gone
   local pid i left
   for pid in ${VLLM_PIDS[@]+"${VLLM_PIDS[@]}"}; do kill -TERM -- -"$pid" 2>/dev/null || true; done
   for i in $(seq 40); do
@@ -196,8 +196,8 @@ stop_servers() {   # each server's whole process group, also when its main proce
     [ $left = 0 ] && return 0
     sleep 0.5
   done
-  echo "[run.sh] a vLLM server did not stop within 20 s of SIGTERM: killing it" >&2
   for pid in ${VLLM_PIDS[@]+"${VLLM_PIDS[@]}"}; do kill -KILL -- -"$pid" 2>/dev/null || true; done
+  echo "[run.sh] a vLLM server did not stop within 20 s of SIGTERM: killed it" >&2
 }
 
 check_shared_gpu() {   # vllm_gpus and train_gpus name the same GPU: do vLLM's share and training's weights fit on it?
