@@ -21,6 +21,22 @@ Outcome level (the final <answer>):
                                             closes exactly once; x 0.2, floored at 0
 The paper sums all six with weight 1: turn reward in [0, 0.7], outcome reward in [0, 1.9].
 
+Per turn (the intermediate rewards of the paper's v2, arXiv 2505.11821v2 Sec. 6): these return, per episode, a
+list with one number per assistant message, and an assistant message's tool results are the messages after
+it, up to the next assistant message. The functions above return one number per episode.
+- retrieval_turn_reward           {0, 0.3}  0.3 on the first turn whose tool result holds a gold alias
+- format_turn_reward              {0.1, -0.2}  0.1 for a well-formed turn (<reasoning>...</reasoning>, then
+                                            one <tool>...</tool> or <answer>...</answer>, nothing else, each
+                                            tag once), -0.2 otherwise
+- search_penalty_turn_reward      -LAMBDA_S per search the turn made, so an episode's entries sum to
+                                            -LAMBDA_S x its number of searches (keyword `lambda_s`)
+LAMBDA_S = 0.15, our choice: a well-formed search turn earns 0.1 of format, so a penalty above 0.1 makes a
+search that finds nothing cost something, and one below 0.2 leaves the search that finds the answer a clear
+gain (0.3 + 0.1 - 0.15). Another value: functools.partial(search_penalty_turn_reward, lambda_s=...).
+Only the first turn that finds an alias earns the retrieval reward: paid on every such turn, a search repeated
+after it found the answer would earn 0.3 + 0.1 - LAMBDA_S each time, and the policy would be paid to repeat it
+until max_env_steps.
+
 Matching uses TriviaQA's own answer normalisation (`normalize_answer`: lowercase, punctuation and
 underscores to spaces, drop articles, collapse whitespace), the one behind the dataset's
 `normalized_aliases`. "Occurs in" means as whole words of the normalised text ("york" occurs in
@@ -43,6 +59,8 @@ ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 THINK = re.compile(r"<think>.*?</think>", re.S)
 FIELDS = [("reasoning",), ("tool", "answer")]  # the protocol: <reasoning>, then <tool> or <answer>
 PUNCT = set(string.punctuation + "\u2018\u2019\u00b4`")  # TriviaQA's set: ASCII punctuation and quote-like marks
+WELL_FORMED = re.compile(r"<reasoning>.*?</reasoning>\s*(<tool>.*?</tool>|<answer>.*?</answer>)", re.S)
+LAMBDA_S = 0.15  # the search-count penalty per search (module docstring)
 
 
 # --- normalisation and episode parsing --------------------------------------------------------
@@ -98,6 +116,11 @@ def is_error(result: str) -> bool:
     return not result.strip() or result.lstrip().startswith("Error:")
 
 
+def holds_answer(result: str, gold: list[str]) -> bool:
+    """A tool result that is not an error and holds a normalised gold alias as whole words."""
+    return not is_error(result) and any(contains(normalize_answer(result), a) for a in gold)
+
+
 def final_answer(messages: list[dict]) -> str | None:
     """Text of the last <answer>...</answer> of the last assistant message that has one, or None."""
     for m in reversed(messages):
@@ -109,7 +132,18 @@ def final_answer(messages: list[dict]) -> str | None:
 
 
 def assistant_texts(messages: list[dict]) -> list[str]:
-    return [THINK.sub("", str(m.get("content") or "")).strip() for m in messages if m.get("role") == "assistant"]
+    return [text for text, _ in turns(messages)]
+
+
+def turns(messages: list[dict]) -> list[tuple[str, list[str]]]:
+    """Per assistant message: its text (without <think> blocks) and the tool results after it, up to the next one."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            out.append((THINK.sub("", str(m.get("content") or "")).strip(), []))
+        elif out and is_env_reply(m):
+            out[-1][1].extend(tool_results([m]))
+    return out
 
 
 # --- turn level -------------------------------------------------------------------------------
@@ -130,9 +164,7 @@ def exist_answer_in_search_results(completions, aliases=None, answer=None, **kwa
     out = []
     for c, gold in zip(completions, golds):
         results = tool_results(c)
-        first = results[0] if results else None
-        hit = first is not None and not is_error(first) and any(contains(normalize_answer(first), a) for a in gold)
-        out.append(0.5 if hit else 0.0)
+        out.append(0.5 if results and holds_answer(results[0], gold) else 0.0)
     return out
 
 
@@ -202,5 +234,40 @@ def xml_reward_func(completions, **kwargs) -> list[float]:
     return out
 
 
+# --- per turn: the paper v2's intermediate rewards, one number per assistant message -----------------------
+
+
+def retrieval_turn_reward(completions, aliases=None, answer=None, **kwargs) -> list[list[float]]:
+    """Per turn: 0.3 on the first turn whose tool result holds a gold alias (an error result never does), else 0."""
+    golds = gold_lists(aliases, answer, len(completions))
+    out = []
+    for c, gold in zip(completions, golds):
+        found, row = False, []
+        for _, results in turns(c):
+            hit = not found and any(holds_answer(r, gold) for r in results)
+            found = found or hit
+            row.append(0.3 if hit else 0.0)
+        out.append(row)
+    return out
+
+
+def well_formed(text: str) -> bool:
+    """<reasoning>...</reasoning>, then one <tool>...</tool> or <answer>...</answer>, nothing else, each tag once."""
+    used = {t: (text.count(f"<{t}>"), text.count(f"</{t}>")) for t in ("reasoning", "tool", "answer")}
+    one_action = sorted([used["tool"], used["answer"]]) == [(0, 0), (1, 1)]
+    return used["reasoning"] == (1, 1) and one_action and bool(WELL_FORMED.fullmatch(text))
+
+
+def format_turn_reward(completions, **kwargs) -> list[list[float]]:
+    """Per turn: 0.1 for a well-formed turn, -0.2 for a malformed one (the XML protocol)."""
+    return [[0.1 if well_formed(text) else -0.2 for text, _ in turns(c)] for c in completions]
+
+
+def search_penalty_turn_reward(completions, lambda_s: float = LAMBDA_S, **kwargs) -> list[list[float]]:
+    """Per turn: -lambda_s for each search the turn made (each tool result after it), 0 on a turn without one."""
+    return [[-lambda_s * len(results) if results else 0.0 for _, results in turns(c)] for c in completions]
+
+
 TURN_REWARD_FUNCS = [tool_execution_reward_func, exist_answer_in_search_results]
+PER_TURN_REWARD_FUNCS = [retrieval_turn_reward, format_turn_reward, search_penalty_turn_reward]
 OUTCOME_REWARD_FUNCS = [exact_match_reward_func, exist_answer_reward_func, format_reward_func, xml_reward_func]

@@ -155,7 +155,7 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
         "model_builder=",
         f"vllm_server_url={real_vllm.url}",
         f"weight_sync_dir={tmp_path}/shm",
-        "prompts_per_step=2",
+        "prompts_per_step=4",  # a step whose every group sampled 4 equal episodes would not move the weights
         "num_generations=4",
         "learning_rate=1e-5",
         "log_episodes_steps=0",
@@ -164,17 +164,17 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     hist = M.train(recipe_cfg(tmp_path, *common, "max_staleness=1", f"output_dir={tmp_path}/synced"))
     for m in hist:
         print({k: round(v, 5) for k, v in m.items() if k.startswith("sync/")})
-        assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff and m["loss/grad_norm"] > 0.01
+        assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff
         assert m["sync/probe_change"] < m["sync/probe_logprob_diff"], "one step: less than the bf16 gap"
         assert m["sync/probe_repeat"] == 0, "the server repeats its logprobs to the bit, requests in flight or not"
-        assert m["sync/probe_follow"] > 1, "judged at every step: the server moved at least as much as expected"
+        assert m["sync/probe_follow"] > 0.8, "judged at every step: the server's logprobs moved on nearly every token"
     # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
     with pytest.raises(
-        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's by 0\.00 of that"
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's on 0% of its tokens"
     ) as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
     print(e.value)

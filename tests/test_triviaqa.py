@@ -1,6 +1,7 @@
 """The TriviaQA search task: the paper's rewards on hand-written episodes, wiki_search (local BM25 with
 its on-disk cache, and a Search-R1-style remote retriever), and the dataset loader."""
 
+import functools
 import http.server
 import json
 import os
@@ -299,8 +300,10 @@ def test_missing_corpus_and_empty_query_fail_clearly(wiki, monkeypatch, tmp_path
     assert "wiki_search(query: str) -> str: Search Wikipedia" in env.system_prompt
 
 
-def test_title_text_corpora_and_a_real_question_end_to_end(monkeypatch, tmp_path):
-    """TriviaQA's own evidence articles, split into 100-word passages: the question finds the answer."""
+@pytest.fixture()
+def evidence(monkeypatch, tmp_path):
+    """wiki_search over TriviaQA's own evidence articles, split into 100-word title/text passages; the fixture's
+    questions by question_id."""
     corpus = tmp_path / "evidence.jsonl"
     with open(corpus, "w") as f:
         for line in open(fixture(EVIDENCE)):
@@ -313,7 +316,12 @@ def test_title_text_corpora_and_a_real_question_end_to_end(monkeypatch, tmp_path
     monkeypatch.delenv("WIKI_SEARCH_URL", raising=False)
     monkeypatch.setenv("WIKI_SEARCH_TOPK", "3")
     monkeypatch.setenv("WIKI_SEARCH_MAX_CHARS", "1500")
-    rows = {r["question_id"]: r for r in T.rows_of(T.read_local(fixture(TQA)))}
+    return {r["question_id"]: r for r in T.rows_of(T.read_local(fixture(TQA)))}
+
+
+def test_title_text_corpora_and_a_real_question_end_to_end(evidence):
+    """TriviaQA's own evidence articles, split into 100-word passages: the question finds the answer."""
+    rows = evidence
     for qid, title in [("tc_8", "Angola"), ("tc_9", "David Soul")]:
         row = rows[qid]
         out = W.wiki_search(row["prompt"])
@@ -321,6 +329,76 @@ def test_title_text_corpora_and_a_real_question_end_to_end(monkeypatch, tmp_path
         ep = [{"role": "assistant", "content": call(row["prompt"])}, result(out), answer(row["answer"])]
         assert R.exist_answer_in_search_results([ep], aliases=[row["aliases"]]) == [0.5]
         assert R.exist_answer_in_search_results([ep], aliases=[["Vladivostok"]]) == [0.0]
+
+
+def test_per_turn_rewards_credit_the_search_that_found_the_answer(evidence):
+    """A real question, searched three times: per turn, the second search (the first to find the answer) earns the
+    retrieval reward, which the episode-level reward, reading the first result only, never sees."""
+    row = evidence["tc_9"]  # Which city does David Soul come from? Chicago
+    queries = ["Arthur Balfour Conservative leader", row["prompt"], "David Soul"]
+    ep = []
+    for q in queries:
+        ep += [{"role": "assistant", "content": call(q)}, result(W.wiki_search(q))]
+    ep.append(answer(row["answer"]))
+    found = [R.holds_answer(W.wiki_search(q), R.gold_lists([row["aliases"]], None, 1)[0]) for q in queries]
+    assert found == [False, True, True]  # the fixture's data: the miss and the hits are real
+    aliases = [row["aliases"]]
+    assert R.retrieval_turn_reward([ep], aliases=aliases) == [[0.0, 0.3, 0.0, 0.0]]  # the first hit only
+    assert R.exist_answer_in_search_results([ep], aliases=aliases) == [0.0]
+    assert R.format_turn_reward([ep]) == [[0.1] * 4]
+    assert R.search_penalty_turn_reward([ep]) == [[-R.LAMBDA_S] * 3 + [0.0]]
+
+
+def test_per_turn_rewards_have_one_entry_per_assistant_message():
+    hit = result("Doc 1 (Title: Sinclair Lewis)\nSinclair Lewis won the Nobel Prize in 1930.")
+    malformed = {"role": "assistant", "content": "Let me search. <tool>{}</tool>"}
+    ep = [
+        malformed,
+        result("Error: ValueError: expected a query; Sinclair Lewis"),  # an error never holds the answer
+        {"role": "assistant", "content": call("Nobel 1930")},
+        result("Upton Sinclair wrote The Jungle."),
+        {"role": "assistant", "content": call("Nobel Prize Literature 1930")},
+        hit,
+        {"role": "user", "content": "Are you sure?"},  # a user message is no tool result
+        answer("Sinclair Lewis"),
+    ]
+    no_search = [answer("Sinclair Lewis")]
+    r = {f.__name__: f([ep, no_search], aliases=[ALIASES] * 2, prompt=["q"] * 2) for f in R.PER_TURN_REWARD_FUNCS}
+    assert r == {
+        "retrieval_turn_reward": [[0.0, 0.0, 0.3, 0.0], [0.0]],
+        "format_turn_reward": [[-0.2, 0.1, 0.1, 0.1], [0.1]],
+        "search_penalty_turn_reward": [[-0.15, -0.15, -0.15, 0.0], [0.0]],
+    }
+    # the penalty sums to -lambda_s x searches, and a partial sets lambda_s
+    assert sum(functools.partial(R.search_penalty_turn_reward, lambda_s=0.05)([ep])[0]) == pytest.approx(-0.15)
+    # native tool results (role "tool") belong to the assistant message before them too
+    native = [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "wiki_search"}}]},
+        {"role": "tool", "content": "Sinclair Lewis was born in Sauk Centre."},
+        {"role": "assistant", "content": "<answer>Sinclair Lewis</answer>"},
+    ]
+    assert R.retrieval_turn_reward([native], answer=["Sinclair Lewis"]) == [[0.3, 0.0]]
+    assert R.search_penalty_turn_reward([native]) == [[-0.15, 0.0]]
+
+
+def test_a_well_formed_turn_has_reasoning_then_one_action_and_nothing_else():
+    good = [
+        "<reasoning>a</reasoning>\n<answer>x</answer>",
+        call("q"),
+        "<think>hm</think><reasoning>a</reasoning><tool>{}</tool>",
+    ]
+    bad = [
+        "<answer>x</answer>",  # no reasoning
+        "<reasoning>a</reasoning>",  # no action
+        "<reasoning>a</reasoning>\n<answer>x</answer> Hope this helps.",  # text outside the tags
+        "Sure. <reasoning>a</reasoning>\n<answer>x</answer>",
+        "<reasoning>a</reasoning><reasoning>b</reasoning>\n<answer>x</answer>",  # a tag twice
+        "<reasoning>a</reasoning>\n<tool>{}</tool><answer>x</answer>",  # two actions
+        "<reasoning>a <tool>{}</tool></reasoning>\n<answer>x</answer>",  # a call inside the reasoning
+        "<reasoning>a\n<answer>x</answer>",  # reasoning never closed
+    ]
+    eps = [[{"role": "assistant", "content": t}] for t in good + bad]
+    assert R.format_turn_reward(eps) == [[0.1]] * len(good) + [[-0.2]] * len(bad)
 
 
 # --- wiki_search: remote retriever --------------------------------------------------------------

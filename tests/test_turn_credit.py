@@ -3,13 +3,17 @@ rollouts (each sampled token trained once, by one path), and unbiasedness agains
 MDP whose policy decides when to stop, with the per-turn-index construction as the counterexample."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 
 import mt_grpo_trainer as M
+import check_template as CT
 from test_env import ScriptedSampler, make_env, tool_call
+from test_templates import FIX
+from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
 from test_train import run_cfg
 from vllm_standin import StandinServer
 
@@ -152,6 +156,46 @@ class BySampleCount(ScriptedSampler):
             self.sent.append(ids)
             outs.append(M.Completion(ids, [-0.1] * len(ids), "stop"))
         return outs
+
+
+class ByTurn(ScriptedSampler):
+    """Scripted ids by the assistant turns the prompt already holds (every path follows the script)."""
+
+    def __init__(self, tok, script, header):
+        super().__init__(tok, script)
+        self.header = header
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+        outs = []
+        for p in prompts:
+            ids = self.script[self.tok.decode(p).count(self.header) - 1]
+            self.prompts.append(list(p))
+            self.sent.append(ids)
+            outs.append(M.Completion(ids, [-0.5] * len(ids), "stop"))
+        return outs
+
+
+@pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (the real Qwen3 tokenizer)")
+@pytest.mark.parametrize("boundary", ["fork", "realign"])
+def test_forks_and_realigns_inside_branches_keep_every_sampled_token_trained_once(qwen3, boundary):
+    """Qwen3 without thinking rewrites every past turn (each tool boundary forks); a second end-of-turn token makes
+    each one REALIGN. Branching over either: the paths pass the strict tokenization check, and every sampled token
+    is trained once, but the ones a REALIGN made context."""
+    eos = [qwen3.convert_tokens_to_ids("<|endoftext|>")] if boundary == "realign" else [qwen3.eos_token_id]
+    call = '<tool_call>\n{"name": "_sim_search", "arguments": {"query": "q%d"}}\n</tool_call>'
+    think = "" if boundary == "fork" else "<think>\nx\n</think>\n\n"
+    enc = lambda t: qwen3.encode(think + t, add_special_tokens=False) + eos  # noqa: E731
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}} if boundary == "fork" else {}
+    cfg = M.Config(system_prompt="", tool_format="native", max_env_steps=10, tokenization_check="strict", **kwargs)
+    cfg.num_generations, cfg.branch_width, cfg.branch_depth, cfg.advantage_mode = 8, 2, 2, "tree"
+    env = M.MultiTurnToolEnv(qwen3, [CT._sim_search], cfg)
+    sampler = ByTurn(qwen3, [enc(call % 0), enc(call % 1), enc("Done.")], "<|im_start|>assistant")
+    eps = env.rollout([{"prompt": "q"}] * 2, sampler)
+    assert len(eps) == 8 and all(ep.end_reason == "answer" and ep.tokenization_mismatches == 0 for ep in eps)
+    assert all((ep.forks if boundary == "fork" else ep.realigns) == 2 for ep in eps)
+    trained = sum(sum(s.loss_mask) for ep in eps for s in ep.samples)
+    # a REALIGN makes the sampled end marker context: once per node that held it (2 roots, 4 children), by its path
+    assert trained == sum(map(len, sampler.sent)) - (0 if boundary == "fork" else 2 + 4)
 
 
 BRANCHING = ["num_generations=4", "branch_width=2", "branch_depth=1", "advantage_mode=tree", "log_episodes_steps=1"]
