@@ -118,7 +118,7 @@ if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs 
   [ -n "$SERVER_URL" ] || { echo "[run.sh] error: MTGRPO_NNODES=$MTGRPO_NNODES needs --server-url with every node's" \
     "servers (started by \`bash run.sh serve\`), the same on every node: every rank samples from all of them" >&2; exit 1; }
   RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
-        --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: node 0s address}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
+        --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: the address of node 0}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
 fi
 if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
   "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
@@ -270,7 +270,7 @@ fi
 echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 # A SIGTERM or Ctrl-C to run.sh goes to the ranks (torchrun's children), which finish the step, save a checkpoint
 # and exit 0, and torchrun then exits 0. torchrun itself never gets it (setsid: not from the terminal either): a
-# signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the server.
+# signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the servers.
 setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" \
   mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!

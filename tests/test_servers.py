@@ -88,11 +88,11 @@ def test_an_episode_stays_on_one_server_new_ones_spread_and_the_shares_are_logge
 
 
 def test_more_servers_more_rollouts_a_second_when_each_serves_so_many_at_a_time(tok, tmp_path):
-    """Latency-bound: each server runs 8 sequences at a time, 0.2 s each; 64 episodes of 3 turns take 8 rounds a turn
-    on one server, 4 on two."""
+    """Latency-bound: each server runs 8 sequences at a time, 0.4 s each; 64 episodes of 3 turns take 8 rounds a turn
+    on one server, 4 on two (the client's own time, the same for both, is what keeps the ratio below 2)."""
     took = {}
     for n in (1, 2):
-        with scripted_servers(tok, n, latency=0.2, capacity=8) as servers:
+        with scripted_servers(tok, n, latency=0.4, capacity=8) as servers:
             client = client_for(tmp_path, servers)
             env = M.MultiTurnToolEnv(tok, [lookup], client.cfg)
             t = time.perf_counter()
@@ -100,7 +100,7 @@ def test_more_servers_more_rollouts_a_second_when_each_serves_so_many_at_a_time(
             took[n] = time.perf_counter() - t
             assert all(len(ep.turns) == 3 for ep in eps)
     print(took)
-    assert took[1] > 3 * 8 * 0.2 and took[1] / took[2] > 1.6, took
+    assert took[1] > 3 * 8 * 0.4 and took[1] / took[2] > 1.6, took
 
 
 def test_a_slow_server_is_not_down_keeps_its_sessions_and_new_ones_go_to_the_free_one(tok, tmp_path):

@@ -369,9 +369,9 @@ def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
     assert out[0].ids == out[1].ids == out[2].ids and out[0].ids
 
 
-def standin_process(model_dir, tmp_path, name="server", port=None):
+def standin_process(model_dir, tmp_path, name="server", port=None, latency=0.0):
     """The stand-in in a process of its own, so that a test can kill it like a crashed server (and start it again on
-    its port), its output in NAME.log."""
+    its port), its output in NAME.log; `latency` s added to each completion."""
     import subprocess
 
     port, log = port or M.free_port(), tmp_path / f"{name}.log"
@@ -383,6 +383,8 @@ def standin_process(model_dir, tmp_path, name="server", port=None):
             model_dir,
             "--port",
             str(port),
+            "--latency",
+            str(latency),
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
@@ -426,10 +428,10 @@ def trainer_against(url, model_dir, tmp_path, *overrides, logs="server.log"):
     )
 
 
-def wait_for(path, timeout=120):
+def wait_for(path, timeout=120, poll=0.2):
     deadline = time.time() + timeout
     while time.time() < deadline and not path.exists():
-        time.sleep(0.2)
+        time.sleep(poll)
     assert path.exists(), f"{path} never appeared"
 
 
@@ -475,11 +477,11 @@ def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, 
 def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_dir, tmp_path, sig):
     import signal
 
-    server, url, log = standin_process(tiny_model_dir, tmp_path)
+    server, url, log = standin_process(tiny_model_dir, tmp_path, latency=2.0)
     trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=600")
-    wait_for(tmp_path / "run" / "checkpoint-2")
-    server.kill()
-    time.sleep(3)  # the client is now retrying a refused connection
+    wait_for(tmp_path / "run" / "checkpoint-2", poll=0.05)
+    server.kill()  # within step 3's rollout (2 s a request), not a sync: its requests wait for a server to come back
+    time.sleep(3)
     t = time.time()
     trainer.send_signal(getattr(signal, sig))
     out, err = trainer.communicate(timeout=60)
