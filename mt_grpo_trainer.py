@@ -232,10 +232,10 @@ class Config:
     eval_max_examples: Annotated[int, ">= 0"] = 0
     """Evaluate on the first N rows of `eval_dataset` (0 = all)."""
     # --- scale: the vLLM server and several GPUs
-    vllm_server_url: str = ""
-    """Sample from a running `vllm serve` at this URL, e.g. http://127.0.0.1:8000 ('' = the in-process sampler)."""
+    vllm_server_url: list[str] = field(default_factory=list)
+    """Sample from running `vllm serve` servers at these URLs, e.g. [http://10.0.0.7:8000, http://10.0.0.8:8000] (one may be written alone, several also comma-separated; [] = the in-process sampler)."""
     max_concurrent_requests: Annotated[int, ">= 1"] = 256
-    """Most completion requests one rank keeps in flight to the server."""
+    """Most completion requests one rank keeps in flight to its servers, all together."""
     request_timeout: Annotated[float, "> 0"] = 600.0
     """Seconds one HTTP attempt may take before it is retried."""
     request_deadline: Annotated[float, "> 0"] = 1800.0
@@ -249,14 +249,16 @@ class Config:
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no sync checks)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
-    """Seconds the server may fail GET /health while requests are retried before the run stops (a dead server fails fast)."""
+    """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server that fails it is left at once while another is up)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
     distributed_timeout: Annotated[float, "> 0"] = 1800.0
     """Seconds a collective may wait for the other ranks before the run fails (a dead rank never hangs the rest)."""
     # --- launch: run.sh reads these to place the server and the ranks on GPUs; the trainer never does
     vllm_gpus: str = "7"
-    """run.sh: CUDA devices for `vllm serve`."""
+    """run.sh: CUDA devices for `vllm serve`: one server per vllm_tensor_parallel_size of them (data parallel)."""
+    vllm_tensor_parallel_size: Annotated[int, ">= 1"] = 1
+    """run.sh: GPUs each vLLM server spans (`--tensor-parallel-size`); vllm_gpus must hold a multiple of it."""
     train_gpus: str = "0,1,2,3,4,5,6"
     """run.sh: CUDA devices for torchrun, one training rank each."""
     vllm_gpu_memory_utilization: Annotated[float, "(0, 1]"] = 0.85
@@ -1168,7 +1170,7 @@ class Run:
     pad_id: int = 0  # the token that pads micro-batches
     sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
     probe_ids: list[int] = field(default_factory=list)  # the weight-sync check's fixed sequence
-    probe_ref: tuple | None = None  # its reference: (version, server's, trainer's, gap)
+    probe_ref: dict = field(default_factory=dict)  # per server, its reference: (version, its, trainer's, gap)
     steps: typing.Any = None  # a tqdm over the steps to run
     logger: MetricsLogger | None = None  # None with the eval command
     rollouts: RolloutProducer | None = None
@@ -1187,10 +1189,10 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
-        """A sampler with weights of its own (a server) samples from the current ones from now on; then two checks on
-        a fixed probe sequence (a failed, partial or skipped reload would otherwise train silently off-policy): the
-        server's logprobs match the trainer's (another model, a broken reload), and they moved since the last judged
-        sync, as the trainer's did (a reload that did nothing: the server repeats its logprobs to the bit)."""
+        """A sampler with weights of its own (servers) samples from the current ones from now on; then two checks on
+        a fixed probe sequence, on every server (a failed, partial or skipped reload would otherwise train silently
+        off-policy): its logprobs match the trainer's (another model, a broken reload), and they moved since the last
+        judged sync, as the trainer's did (a reload that did nothing: the server repeats its logprobs to the bit)."""
         if self.sampler.policy_version is None:  # in-process: it samples from the weights being trained
             return {}
         t = time.time()
@@ -1207,39 +1209,47 @@ class Run:
         with torch.no_grad():  # every rank runs the forward (FSDP); float32, no dropout, as the server
             own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
         self.model.train(was)
-        stats = [0.0] * 6  # rank 0's: mean |server - trainer|, trainer's change, judged, tokens moved, since, repeat
-        if self.is_main:  # probed twice: the server's own noise (the CPU build repeats to the bit)
-            srv, again = (torch.tensor(self.sampler.probe_logprobs(self.probe_ids)) for _ in range(2))
-            stats[0], stats[5] = float((srv - own).abs().mean()), float((again - srv).abs().mean())
-            self.probe_ref = self.probe_ref or (version, srv, own, stats[0])  # the first sync: the first reference
-            stats[4], ref_srv, ref_own, ref_gap = self.probe_ref
-            stats[1] = float((own - ref_own).abs().mean())
-            # The server's bf16 arithmetic moves nearly every token's logprob on any change of its weights (measured
-            # down to a change of a 600th of the bf16 gap; at a 2000th, not always), so a sync is judged once the
-            # trainer's change is a 50th of the gap and 4x the server's noise; until then changes add up. The share
-            # of tokens the server's logprobs moved on: ~1 when it followed, 0 when its weights stayed.
-            if stats[1] > max(4 * stats[5], ref_gap / 50):
-                stats[2:4] = [1.0, float(((srv - ref_srv).abs() > (again - srv).abs().max()).float().mean())]
-                self.probe_ref = (version, srv, own, stats[0])
-        diff, change, judged, follow, since, repeat = all_reduce(*stats)
+        stats = [0.0] * 7  # rank 0's: check_probe's of the server farthest from the trainer, and how many it checked
+        if self.is_main:  # every server probed twice: its own noise (the CPU build repeats to the bit)
+            first, again = (self.sampler.probe_logprobs(self.probe_ids) for _ in range(2))
+            tensors = {url: (torch.tensor(first[url]), torch.tensor(again[url])) for url in first}
+            stats = [*max(self.check_probe(url, version, *t, own) for url, t in tensors.items()), len(first)]
+        diff, change, judged, follow, since, repeat, checked = all_reduce(*stats)
         m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/probe_repeat": repeat})
+        m["sync/servers_checked"] = checked
+        if judged:
+            m["sync/probe_follow"] = follow
+        return m
+
+    def check_probe(self, url: str, version: int, srv, again, own) -> list[float]:
+        """One server's sync check (rank 0), the two of `sync`. Returns mean |server - trainer|, the trainer's change,
+        judged, the share of tokens moved, since (the step of its reference) and its repeat noise."""
+        diff, repeat = float((srv - own).abs().mean()), float((again - srv).abs().mean())
+        # a server's first sync is its first reference
+        since, ref_srv, ref_own, ref_gap = self.probe_ref.setdefault(url, (version, srv, own, diff))
+        change, judged, follow = float((own - ref_own).abs().mean()), 0.0, 0.0
+        # The server's bf16 arithmetic moves nearly every token's logprob on any change of its weights (measured
+        # down to a change of a 600th of the bf16 gap; at a 2000th, not always), so a sync is judged once the
+        # trainer's change is a 50th of the gap and 4x the server's noise; until then changes add up. The share
+        # of tokens the server's logprobs moved on: ~1 when it followed, 0 when its weights stayed.
+        if change > max(4 * repeat, ref_gap / 50):
+            judged, follow = 1.0, float(((srv - ref_srv).abs() > (again - srv).abs().max()).float().mean())
+            self.probe_ref[url] = (version, srv, own, diff)
         if diff > self.cfg.sync_check_max_diff:
             raise SyncCheckError(
-                f"weight sync check failed after step {version}: on a {len(self.probe_ids)}-token probe "
+                f"weight sync check failed after step {version} on {url}: on a {len(self.probe_ids)}-token probe "
                 f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
                 f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
                 "server's log), another model on the server, or a larger precision gap (raise the bound)."
             )
-        if judged:
-            m["sync/probe_follow"] = follow
-            if follow < 0.5:
-                raise SyncCheckError(
-                    f"weight sync check failed after step {version}: since step {since:.0f} the trainer's "
-                    f"logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} on average, the "
-                    f"server's on {follow:.0%} of its tokens (a repeated probe differs by {repeat:.4f}). Likely: "
-                    "the reload did not take (see the server's log), or the server serves something else."
-                )
-        return m
+        if judged and follow < 0.5:
+            raise SyncCheckError(
+                f"weight sync check failed after step {version} on {url}: since step {since:.0f} the trainer's "
+                f"logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} on average, the "
+                f"server's on {follow:.0%} of its tokens (a repeated probe differs by {repeat:.4f}). Likely: "
+                "the reload did not take (see the server's log), or the server serves something else."
+            )
+        return [diff, change, judged, follow, since, repeat]
 
     def check_logprobs_mode(self, prompt: list[int]):
         """A server started without `--logprobs-mode processed_logprobs` returns vLLM's raw logprobs (temperature 1, no
@@ -1736,7 +1746,8 @@ def summarize(cfg: Config, history: list[dict]):
 #   order; sessions: one key per prompt, its episode's (branches share their root's), None when there are none;
 # - policy_version: None if it samples from the weights being trained (nothing to sync or check), else the version of
 #   its weights, which only sync_weights(model, state_dict, version) sets: rank 0's call with the full state dict, the
-#   others' with None once it returned; then probe_logprobs(ids), rank 0's, the logprobs of ids[1:] at temperature 1;
+#   others' with None once it returned; then probe_logprobs(ids), rank 0's: {a name per copy of the weights it samples
+#   from (a server each): the logprobs of ids[1:] at temperature 1}, each checked on its own;
 # - close(): at the end of a run, on every rank;
 # - stats() (optional): metrics of the sampler since the last call, logged with each step's.
 
@@ -1812,38 +1823,64 @@ class SamplerError(RuntimeError):
     """The sampler gave no valid completion within its deadline: the run stops, nothing is invented (I6)."""
 
 
+class ServerDown(SamplerError):
+    """A request failed and so did its server's GET /health: it goes to another server, a sync goes on without it."""
+
+
+@dataclass(eq=False)
+class Server:
+    """One of a VLLMServerClient's servers: where it is, whether it may be sampled from, what it served lately."""
+
+    url: str
+    log: str = ""  # its log file (run.sh's MTGRPO_VLLM_LOG), whose last lines an error shows
+    version: int = 0  # the policy version of the weights it holds: it is sampled from only while that is the client's
+    down_since: float | None = None  # when a failed request found its GET /health failing too (time.monotonic)
+    checked: float = -math.inf  # when its GET /health was last asked
+    busy: int = 0  # sequences this client has in flight on it: a new session goes to the server with the fewest
+    served: list = field(default_factory=lambda: [0, 0])  # requests and tokens (prompt and sampled) since stats()
+    cache: list = field(default_factory=lambda: [0.0, 0.0])  # its prefix-cache queries and hits at the last stats()
+    seen: bool = False  # down, it answered GET /health at this rank's last sync (see follow)
+    nccl: typing.Any = None  # the NCCL group with its workers, made on its first nccl sync
+
+
 class VLLMServerClient:
-    """Samples from a separately launched vLLM server (0.32, the version run.sh pins) over HTTP: POST /v1/completions
+    """Samples from separately launched vLLM servers (0.32, the version run.sh pins) over HTTP: POST /v1/completions
     with the prompt as token ids, `return_token_ids`, `logprobs: 0`, `skip_special_tokens: false`. The chat template
     is applied here, so nothing is re-tokenized (I1). Every prompt of a batch is in flight at once; identical prompts
     (a group's first turn) are one request with `n`. Transient failures are retried with backoff until
-    `request_deadline`; a dead server stops the run after `server_dead_timeout`. A reply without token ids or
-    logprobs, or with ids outside the vocabulary, is an error: vLLM ignores misspelt fields (I6)."""
+    `request_deadline`. A reply without token ids or logprobs, or with ids outside the vocabulary, is an error: vLLM
+    ignores misspelt fields (I6).
+    Several servers serve data-parallel: an episode's session stays on one (its prefix cache holds the history), a new
+    one goes to the least busy; one found down is left (`check_alive`) until a weight sync takes it back (`route`)."""
 
     def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop_event=None, say=print):
-        self.cfg, self.url = cfg, cfg.vllm_server_url.rstrip("/")
-        self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
+        self.cfg, self.say, self.vocab_size, self.stop_token_ids = cfg, say, vocab_size, sorted(stop_token_ids)
+        logs = [os.path.abspath(p) for p in os.environ.get("MTGRPO_VLLM_LOG", "").split(",") if p]  # one per server
+        logs += [""] * len(cfg.vllm_server_url)  # none for servers run.sh did not start
+        self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
+        self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
+        self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
+        self.sessions: collections.OrderedDict = collections.OrderedDict()  # session -> its server, oldest use first
+        self.lock, self.lost, self.none_since = threading.Lock(), 0, None  # lost: servers found down since stats()
+        self.turn = int(os.environ.get("RANK", 0))  # ties go round the servers, each rank from its own
         self.policy_version = 0  # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
         # one folder per run, so runs that share weight_sync_dir never clean up each other
         self.sync_dir = os.path.join(cfg.weight_sync_dir, os.path.basename(os.path.abspath(cfg.output_dir)))
-        self.nccl = None  # the NCCL group with the server's workers, made on the first nccl sync
-        self.adapters = []  # LoRA: (name, folder) of the adapters loaded on the server, oldest first
-        self.cache_counts = [0.0, 0.0]  # the server's prefix-cache queries and hits at the last stats()
+        self.adapters = []  # LoRA: (name, folder) of the adapters loaded on the servers, oldest first
         self.stop_event = stop_event or threading.Event()  # set on SIGTERM/Ctrl-C: requests stop retrying
-        self.health_lock, self.health_checked, self.down_since = threading.Lock(), -math.inf, None
-        self.log = os.path.abspath(os.environ["MTGRPO_VLLM_LOG"]) if os.environ.get("MTGRPO_VLLM_LOG") else ""
-        info = self.request("GET", "/v1/models", deadline=min(60.0, cfg.request_deadline))["data"][0]
-        self.model, self.max_model_len = info["id"], int(info["max_model_len"])
+        deadline = min(60.0, cfg.request_deadline)
+        info = [self.request("GET", "/v1/models", deadline=deadline, server=s)["data"][0] for s in self.servers]
+        if len({i["id"] for i in info}) > 1:  # requests name one model
+            raise SamplerError(f"the vLLM servers {self.url} serve different models: {[i['id'] for i in info]}")
+        self.model, self.max_model_len = info[0]["id"], min(int(i["max_model_len"]) for i in info)
         say(f"[mt-grpo] sampling from {self.url} ({self.model}, max_model_len {self.max_model_len})")
         if self.max_model_len < cfg.max_seq_len:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
 
-    def request(
-        self, method: str, path: str, deadline: float | None = None, retry_5xx: bool = True, plain: bool = False, **kw
-    ) -> dict:
+    def request(self, method, path, deadline=None, retry_5xx=True, plain=False, *, server: Server, **kw) -> dict:
         end = time.monotonic() + (deadline or self.cfg.request_deadline)
         delay, attempt = 0.5, 0
         while True:
@@ -1852,60 +1889,93 @@ class VLLMServerClient:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
                     self.local.session.trust_env = False  # no proxy or .netrc lookups per request: the server is ours
-                r = self.local.session.request(
-                    method,
-                    self.url + path,
-                    timeout=max(0.1, min(self.cfg.request_timeout, end - time.monotonic())),
-                    **kw,
-                )
+                timeout = max(0.1, min(self.cfg.request_timeout, end - time.monotonic()))
+                r = self.local.session.request(method, server.url + path, timeout=timeout, **kw)
                 if r.status_code >= 500 and retry_5xx:
                     raise requests.HTTPError(f"HTTP {r.status_code}: {r.text[:200]}")  # retried below
                 if r.status_code >= 400:  # our request is wrong (or the server's worker failed): retrying cannot help
-                    raise SamplerError(f"{method} {self.url}{path} was refused: HTTP {r.status_code}: {r.text[:500]}")
+                    raise SamplerError(f"{method} {server.url}{path} was refused: HTTP {r.status_code}: {r.text[:500]}")
                 return {"text": r.text} if plain else r.json()  # plain: the LoRA routes answer in plain text
-            except (
-                requests.ConnectionError,
-                requests.Timeout,
-                requests.exceptions.ChunkedEncodingError,
-                requests.exceptions.JSONDecodeError,
-                requests.HTTPError,
-            ) as e:
-                last = e
+            except requests.RequestException as e:  # refused, dropped, timed out, 5xx, truncated JSON: retried
+                last = f"{type(e).__name__}: {str(e)[:300]}"
             if self.stop_event.is_set():
                 raise SamplerError(
-                    f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {self.url} (last: "
-                    f"{type(last).__name__}: {str(last)[:200]}); saved checkpoints are unaffected"
+                    f"stopped (SIGTERM or Ctrl-C) while retrying {method} {path} at {server.url} (last: "
+                    f"{last}); saved checkpoints are unaffected"
                 )
-            self.check_alive(last)
+            self.check_alive(server, f"{method} {path} failed ({last})")
             if time.monotonic() + delay > end:
                 raise SamplerError(
-                    f"the vLLM server at {self.url} gave no usable answer to {method} {path} within "
-                    f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {type(last).__name__}: "
-                    f"{str(last)[:300]}). Is `vllm serve` running there and healthy (GET {self.url}/health)?"
+                    f"the vLLM server at {server.url} gave no usable answer to {method} {path} within "
+                    f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {last}). Is `vllm serve` "
+                    f"running there and healthy (GET {server.url}/health)?"
                 )
             self.stop_event.wait(delay)
             delay = min(2 * delay, 10.0)
 
-    def check_alive(self, last: Exception):
-        """After a failed attempt: ask GET /health (at most every 2 s across threads). A server that has
-        not been healthy for server_dead_timeout seconds is dead: stop now, not after request_deadline."""
-        with self.health_lock:
-            now = time.monotonic()
-            if now - self.health_checked >= 2.0:
-                self.health_checked = now
-                ok = False
-                with contextlib.suppress(requests.RequestException):
-                    ok = requests.get(self.url + "/health", timeout=2.0).status_code == 200
-                self.down_since = None if ok else self.down_since or now
-            if self.down_since is None or now - self.down_since < self.cfg.server_dead_timeout:
-                return
-        tail = ""
-        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:  # run.sh's MTGRPO_VLLM_LOG
-            tail = f"\nLast lines of the server's log ({self.log}):\n" + "".join(f.readlines()[-20:])
-        raise SamplerError(
-            f"the vLLM server at {self.url} has not been healthy for {now - self.down_since:.0f}s "
-            f"(server_dead_timeout) while requests were failing (last: {type(last).__name__}: "
-            f"{str(last)[:200]}). The server process is gone or its engine died.{tail}"
+    def healthy(self, s: Server) -> bool:
+        """GET /health, at most every 2 s per server (else the last answer): 200, or too slow to tell (busy, not dead)."""
+        with self.lock:
+            if time.monotonic() - s.checked < 2.0:
+                return s.down_since is None
+            s.checked = time.monotonic()
+        try:
+            return requests.get(s.url + "/health", timeout=2.0).status_code == 200
+        except requests.RequestException as e:
+            return isinstance(e, requests.ReadTimeout)
+
+    def check_alive(self, s: Server, failed: str):
+        """After a failed attempt on `s`: a server whose GET /health fails too (its process or its engine died) is
+        down from now on, said once and counted, and the request goes elsewhere (ServerDown); else it is retried."""
+        if s.down_since is None and self.healthy(s):
+            return
+        with self.lock:
+            first, s.down_since, s.nccl = s.down_since is None, s.down_since or time.monotonic(), None
+            self.lost += first
+        if first:
+            self.say(
+                f"[mt-grpo] the vLLM server at {s.url} is down ({failed}; GET /health too): its sessions go on "
+                "on the others; a weight sync takes it back once it answers again"
+            )
+        raise ServerDown(f"the vLLM server at {s.url} is down: {failed} and so did GET /health")
+
+    def route(self, sessions, n: int) -> Server:
+        """The server for a request of n sequences, reserved on it: its sessions' (an episode stays where its history is
+        cached), else the usable one with the fewest in flight (ties in turn), which they keep. With none usable, wait
+        for one that answers again and missed no sync; after server_dead_timeout the run stops."""
+        while True:
+            with self.lock:
+                usable = [s for s in self.servers if s.down_since is None and s.version == self.policy_version]
+                if usable:
+                    s = next((self.sessions[k] for k in sessions if self.sessions.get(k) in usable), None)
+                    if s is None:
+                        s = min(usable, key=lambda x: (x.busy, (self.servers.index(x) - self.turn) % len(self.servers)))
+                        self.turn = self.servers.index(s) + 1
+                    for k in sessions:
+                        self.sessions[k] = s
+                        self.sessions.move_to_end(k)
+                    while len(self.sessions) > 65536:  # bounded: more than the episodes of any rollouts in flight
+                        self.sessions.popitem(last=False)
+                    s.busy, self.none_since = s.busy + n, None
+                    return s
+                self.none_since = self.none_since or time.monotonic()
+                waited = time.monotonic() - self.none_since
+            if waited >= self.cfg.server_dead_timeout or self.stop_event.wait(1.0):
+                why = "stopped by SIGTERM or Ctrl-C" if self.stop_event.is_set() else "server_dead_timeout"
+                raise self.none_left(f"to sample from after {waited:.0f}s ({why})")
+            for s in self.servers:  # back after a hiccup with the weights it had: usable again
+                if s.down_since is not None and s.version == self.policy_version and self.healthy(s):
+                    s.down_since = None
+
+    def none_left(self, doing: str) -> SamplerError:
+        """Every server is down: the error that stops the run, with each one's log tail (run.sh's MTGRPO_VLLM_LOG)."""
+        tails = ""
+        for s in self.servers:
+            with contextlib.suppress(OSError), open(s.log, errors="replace") as f:
+                tails += f"\nLast lines of the log of {s.url} ({s.log}):\n" + "".join(f.readlines()[-20:])
+        return SamplerError(
+            f"no vLLM server is left {doing}: {self.url} failed GET /health (their processes are gone or their engines "
+            f"died) or missed a weight sync while down; saved checkpoints are unaffected.{tails}"
         )
 
     def generate(
@@ -1914,17 +1984,15 @@ class VLLMServerClient:
         groups: dict[tuple, list[int]] = {}
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             groups.setdefault((tuple(p), m), []).append(i)
-        futures = {
-            self.pool.submit(
-                self.complete, prompt=list(p), n=len(idx), max_tokens=m, temperature=temperature, top_p=top_p, stop=stop
-            ): idx
-            for (p, m), idx in groups.items()
-        }
+        futures = {}
+        for (p, m), idx in groups.items():
+            kw = dict(prompt=list(p), n=len(idx), max_tokens=m, sessions=[sessions[i] for i in idx] if sessions else ())
+            futures[self.pool.submit(self.complete, temperature=temperature, top_p=top_p, stop=stop, **kw)] = idx
         out = {i: c for fut, idx in futures.items() for i, c in zip(idx, fut.result())}
         return [out[i] for i in range(len(prompts))]
 
     def complete(
-        self, prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, stop
+        self, prompt: list[int], n: int, max_tokens: int, temperature: float, top_p: float, stop, sessions=()
     ) -> list[Completion]:
         budget = min(max_tokens, self.max_model_len - len(prompt))
         if budget < 1:  # no room left in the server's context: the episode ends truncated, no request sent
@@ -1932,73 +2000,77 @@ class VLLMServerClient:
         # Every sampling knob is explicit: vLLM fills omitted ones from the model's generation_config.json
         # (Qwen3: top_k 20), which would sample from a distribution the trainer does not score.
         if temperature == 0 and n > 1:  # vLLM refuses n > 1 when greedy; greedy copies are identical anyway
-            return self.complete(prompt, 1, max_tokens, temperature, top_p, stop) * n
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "n": n,
-            "max_tokens": budget,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "stop": list(stop),
-            "stop_token_ids": self.stop_token_ids,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
+            return self.complete(prompt, 1, max_tokens, temperature, top_p, stop, sessions) * n
+        knobs = {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        ids_back = {"logprobs": 0, "return_token_ids": True, "skip_special_tokens": False}  # sampled ids verbatim (I1)
+        body = {"prompt": prompt, "n": n, "max_tokens": budget, **knobs, **ids_back}
+        body.update(stop=list(stop), stop_token_ids=self.stop_token_ids)
         end = time.monotonic() + self.cfg.request_deadline
         while True:
             version = self.policy_version  # a retry after a sync samples from the new weights (LoRA: adapter)
             body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
-            replies = sorted(
-                self.request("POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()), json=body).get(
-                    "choices"
+            s = self.route(sessions, n)
+            try:
+                reply = self.request(
+                    "POST", "/v1/completions", deadline=max(1.0, end - time.monotonic()), server=s, json=body
                 )
-                or [],
-                key=lambda c: c.get("index", 0),
-            )
+            except ServerDown:  # its sessions go on on another server
+                continue
+            finally:
+                with self.lock:
+                    s.busy -= n
+            replies = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
             if not any(c.get("finish_reason") in ("abort", "error") for c in replies) or time.monotonic() > end:
                 break  # aborted (the server was paused or failed mid-request): ask again
+        with self.lock:
+            s.served = [s.served[0] + 1, s.served[1] + (reply.get("usage") or {}).get("total_tokens", 0)]
         if len(replies) != n:
-            raise SamplerError(f"{self.url}/v1/completions returned {len(replies)} choices for n={n}")
-        return [self.completion(c, version) for c in replies]
+            raise SamplerError(f"{s.url}/v1/completions returned {len(replies)} choices for n={n}")
+        return [self.completion(c, version, s.url) for c in replies]
 
     def stats(self) -> dict:
-        """The server's prefix-cache hit rate since the last call, from its own counters (GET /metrics, in prompt
-        tokens): how much of what was sent again (a turn's history, a sibling's shared prefix) it did not recompute."""
-        try:
-            text = self.request("GET", "/metrics", deadline=10.0, plain=True)["text"].splitlines()
-        except SamplerError:  # a server without /metrics: nothing to say
-            return {}
-        now = [
-            sum(float(x.split()[-1]) for x in text if x.startswith(f"vllm:prefix_cache_{k}_total"))
-            for k in ("queries", "hits")
-        ]
-        (queries, hits), self.cache_counts = np.subtract(now, self.cache_counts), now
-        return {"rollout/prefix_cache_hit_rate": hits / queries if queries > 0 else 0.0}
+        """Since the last call: each server's share of the requests and tokens (prompt and sampled) served, how even (the
+        mean server's tokens over the busiest's), the servers found down, and the prefix-cache hit rate from their own
+        counters (GET /metrics, prompt tokens): how much of what was sent again (a turn's history, a sibling's shared
+        prefix) they did not recompute."""
+        with self.lock:
+            served, lost, self.lost = np.array([s.served for s in self.servers], dtype=float), self.lost, 0
+            for s in self.servers:
+                s.served = [0, 0]
+        m = {"rollout/servers_lost": lost, "rollout/servers_up": sum(s.down_since is None for s in self.servers)}
+        for i, (requests_, tokens) in enumerate(served / np.maximum(served.sum(0), 1)):
+            m[f"rollout/server{i}_request_share"], m[f"rollout/server{i}_token_share"] = requests_, tokens
+        m["rollout/server_balance"] = served[:, 1].mean() / served[:, 1].max() if served[:, 1].max() else 1.0
+        cache = np.zeros(2)
+        for s in (s for s in self.servers if s.down_since is None):
+            with contextlib.suppress(SamplerError):  # a server without /metrics, or down: nothing to add
+                text = self.request("GET", "/metrics", deadline=10.0, plain=True, server=s)["text"].splitlines()
+                now = [
+                    sum(float(x.split()[-1]) for x in text if x.startswith(f"vllm:prefix_cache_{k}_total"))
+                    for k in ("queries", "hits")
+                ]
+                cache += np.subtract(now, s.cache if now[0] >= s.cache[0] else 0)  # a restarted server counts from 0
+                s.cache = now
+        if cache[0]:
+            m["rollout/prefix_cache_hit_rate"] = cache[1] / cache[0]
+        return m
 
-    def probe_logprobs(self, ids: list[int]) -> list[float]:
-        """The server's logprob of each token of `ids` given those before it (temperature 1): the weight-sync check.
-        Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
-        body = {
-            "model": self.model_for(self.policy_version),
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 1.0,
-            "prompt_logprobs": 0,
-            "cache_salt": f"{self.run_tag}-probe-v{self.policy_version}",
-        }
-        lps = self.request("POST", "/v1/completions", json=body)["choices"][0].get("prompt_logprobs")
-        if not isinstance(lps, list) or len(lps) != len(ids):
-            raise SamplerError(f"{self.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
-        return [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
+    def probe_logprobs(self, ids: list[int]) -> dict[str, list[float]]:
+        """Each server's logprob of every token of `ids` given those before it (temperature 1), by URL: the weight-sync
+        check. Salted by version: with max_staleness >= 1 a sync keeps the prefix cache, whose KV is the old weights'."""
+        body = {"model": self.model_for(self.policy_version), "prompt": ids, "max_tokens": 1, "temperature": 1.0}
+        body.update(prompt_logprobs=0, cache_salt=f"{self.run_tag}-probe-v{self.policy_version}")
+        servers = [s for s in self.servers if s.down_since is None and s.version == self.policy_version]
+        out = {}
+        for s, reply in zip(servers, self.each(servers, "POST", "/v1/completions", json=body)):
+            lps = reply["choices"][0].get("prompt_logprobs")
+            if not isinstance(lps, list) or len(lps) != len(ids):
+                raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
+            out[s.url] = [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
+        return out
 
-    def completion(self, c: dict, version: int = 0) -> Completion:
-        ids, lps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
-        where = f"{self.url}/v1/completions"
+    def completion(self, c: dict, version: int, url: str) -> Completion:
+        ids, lps, where = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs"), f"{url}/v1/completions"
         if not isinstance(ids, list) or not isinstance(lps, list):
             raise SamplerError(
                 f"{where} returned no {'token_ids' if not isinstance(ids, list) else 'logprobs'}; "
@@ -2015,63 +2087,66 @@ class VLLMServerClient:
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
         return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
+    def each(self, servers: list[Server], method: str, path: str, **kw) -> list[dict]:
+        """`request` to every server of `servers` at once; one found down meanwhile leaves the list, the rest go on."""
+        futures = [(s, self.admin.submit(self.request, method=method, path=path, server=s, **kw)) for s in servers]
+        replies = []
+        for s, fut in futures:
+            try:
+                replies.append(fut.result())
+            except ServerDown:
+                servers.remove(s)
+        if not servers:
+            raise self.none_left(f"to answer {method} {path}")
+        return replies
+
     def sync_weights(self, model, state_dict: dict | None, version: int):
-        """Make the server sample from `state_dict` (rank 0), then name `version` in requests (every rank)."""
+        """Make every server that answers sample from `state_dict` (rank 0; the servers at once, and a server found
+        down before taken back), then name `version` in requests (every rank)."""
         if state_dict is None:  # the ranks other than 0, once rank 0's call returned
-            with self.weight_update(version, pause=False):
-                return
+            return self.follow(version)
+        servers = [s for s in self.servers if s.down_since is None or self.healthy(s)]
         if self.cfg.weight_sync == "nccl":
-            return self.sync_weights_nccl(state_dict, version)
+            return self.sync_weights_nccl(servers, state_dict, version)
         path = os.path.join(self.sync_dir, f"step_{version}")  # a fresh folder every time (vLLM #32718)
         shutil.rmtree(path, ignore_errors=True)
         if self.cfg.lora_rank:
             model.save_pretrained(path, state_dict=state_dict)  # peft writes the adapter alone
-            return self.load_adapter(path, version)
-        model.save_pretrained(
-            path,
-            safe_serialization=True,
-            state_dict={  # makes sync_dir too
-                k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()
-            },
-        )
-        with self.weight_update(version):
+            return self.load_adapter(servers, path, version)
+        bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state_dict.items()}
+        model.save_pretrained(path, safe_serialization=True, state_dict=bf16)  # makes sync_dir too
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.cfg.request_timeout}
+        with self.weight_update(servers, version):
             try:
-                self.request(
-                    "POST",
-                    "/collective_rpc",
-                    retry_5xx=False,
-                    json={
-                        "method": "reload_weights",
-                        "kwargs": {"weights_path": path},
-                        "timeout": self.cfg.request_timeout,
-                    },
-                )
-            except (
-                SamplerError
-            ) as e:  # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills the engine
+                self.each(servers, "POST", "/collective_rpc", retry_5xx=False, json=rpc)
+            except SamplerError as e:  # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills it
                 raise SamplerError(
-                    f"the server could not reload the weights of step {version} from {path}: {e}. Restart "
-                    "the server (its model is left half-loaded), then resume_from_checkpoint=auto"
+                    f"could not reload the weights of step {version} from {path}: {e}. Restart that server (its model "
+                    "is left half-loaded), then resume_from_checkpoint=auto"
                 ) from None
         self.cleanup(keep_folders=[os.path.basename(path)])
+
+    def follow(self, version: int):
+        """The ranks other than 0, after rank 0 synced every server that answered it: the servers up here hold
+        `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)."""
+        for s in self.servers:
+            back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
+            if s.down_since is None or back and s.seen:
+                s.version, s.down_since, s.seen = version, None, False
+        self.policy_version = version
 
     def model_for(self, version: int) -> str:
         """What requests name: with LoRA the adapter of `version` (every rank knows its name), else the served model."""
         return f"mt-grpo-{self.run_tag}-v{version}" if self.cfg.lora_rank else self.model
 
-    def load_adapter(self, path: str, version: int):
-        """LoRA: the server adds the new adapter beside the base model under a new name, which requests name from now
+    def load_adapter(self, servers: list[Server], path: str, version: int):
+        """LoRA: the servers add the new adapter beside the base model under a new name, which requests name from now
         on; a request already sent keeps its own. The last max_staleness + 2 adapters stay loaded, older ones go."""
         name = self.model_for(version)
+        load = {"lora_name": name, "lora_path": path, "load_inplace": True}  # in place: a retry or a resume is harmless
         try:
-            with self.weight_update(version, pause=False):  # beside the old adapters: nothing to pause
-                self.request(
-                    "POST",
-                    "/v1/load_lora_adapter",
-                    retry_5xx=False,
-                    plain=True,  # in place: a retry, or a
-                    json={"lora_name": name, "lora_path": path, "load_inplace": True},
-                )  # resumed run, is harmless
+            with self.weight_update(servers, version, pause=False):  # beside the old adapters: nothing to pause
+                self.each(servers, "POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True, json=load)
         except SamplerError as e:
             raise SamplerError(
                 f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
@@ -2079,80 +2154,75 @@ class VLLMServerClient:
             ) from None
         self.adapters.append((name, path))
         while len(self.adapters) > self.cfg.max_staleness + 2:
-            self.request("POST", "/v1/unload_lora_adapter", plain=True, json={"lora_name": self.adapters.pop(0)[0]})
+            self.unload(self.adapters.pop(0)[0])
         self.cleanup(keep_folders=[os.path.basename(p) for _, p in self.adapters])
 
+    def unload(self, name: str):
+        """Unload a LoRA adapter from every server that is up (one taken back since it was loaded never had it)."""
+        for s in (s for s in self.servers if s.down_since is None):
+            with contextlib.suppress(SamplerError):
+                self.request(
+                    "POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json={"lora_name": name}
+                )
+
     @contextlib.contextmanager
-    def weight_update(self, version: int, pause: bool = True):
-        """Around every sync, the one place policy_version changes. With `pause` (a reload) nothing is generated while
-        weights change, no old KV is reused (neither path resets the prefix cache itself), the server always resumes.
-        On-policy, requests in flight are aborted (and sent again); with max_staleness >= 1 they are frozen (mode=keep)
-        and go on under the new weights after the resume: partial rollouts, their tokens' logprobs those of the weights
-        that sampled them. The new cache_salt, set before the resume, keeps new requests off the old prefix cache."""
+    def weight_update(self, servers: list[Server], version: int, pause: bool = True):
+        """Around every sync of `servers` (one found down meanwhile leaves the list), the one place versions change. With
+        `pause` (a reload) nothing is generated while weights change, no old KV is reused (neither path resets the prefix
+        cache itself), the servers always resume. On-policy, requests in flight are aborted (and sent again); with
+        max_staleness >= 1 they are frozen (mode=keep) and go on under the new weights after the resume: partial
+        rollouts, their tokens' logprobs those of the weights that sampled them. The new cache_salt, set before the
+        resume, keeps new requests off the old prefix cache."""
         partial = self.cfg.max_staleness > 0  # partial rollouts: requests in flight are frozen, not aborted
+        mode = {"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()}
         if pause:
-            self.request(
-                "POST",
-                "/pause",
-                params={"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()},
-            )
+            self.each(servers, "POST", "/pause", params=mode)
         try:
             yield
             if pause and not partial:
-                self.request("POST", "/reset_prefix_cache")
+                self.each(servers, "POST", "/reset_prefix_cache")
+            for s in servers:  # synced: sampled from again (one taken back too)
+                s.version, s.down_since = version, None
             self.policy_version = version
         finally:
             if pause:
-                self.request("POST", "/resume")
+                self.each(servers, "POST", "/resume")
 
-    def sync_weights_nccl(self, state_dict: dict, version: int):
-        """vLLM's native weight transfer: rank 0 joins the server's workers in an NCCL group once, then broadcasts
-        packed bf16 tensors while /update_weights receives them. Needs a server run with --weight-transfer-config
-        '{"backend":"nccl"}' and vllm on the trainer; MTGRPO_NCCL_ADDR is this host as the server sees it."""
+    def sync_weights_nccl(self, servers: list[Server], state_dict: dict, version: int):
+        """vLLM's native weight transfer: rank 0 joins each server's workers in an NCCL group once, then broadcasts packed
+        bf16 tensors to one server after another while its /update_weights receives them. Needs servers run with
+        --weight-transfer-config '{"backend":"nccl"}', vllm on the trainer, MTGRPO_NCCL_ADDR: this host as they see it."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         tensors = {k: v.to(dev, torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
-        if self.nccl is None:
-            info = {
-                "master_address": os.environ.get("MTGRPO_NCCL_ADDR", "127.0.0.1"),
-                "master_port": free_port(),
-                "world_size": 1 + self.request("GET", "/get_world_size")["world_size"],
-            }
-            joined = self.pool.submit(
-                self.request,
-                method="POST",
-                path="/init_weight_transfer_engine",
-                json={"init_info": {**info, "rank_offset": 1, "packed": True}},
+        for s in (s for s in servers if s.nccl is None):
+            size = self.request("GET", "/get_world_size", server=s)["world_size"]
+            addr = os.environ.get("MTGRPO_NCCL_ADDR", "127.0.0.1")
+            info = {"master_address": addr, "master_port": free_port(), "world_size": 1 + size}
+            init = {"init_info": {**info, "rank_offset": 1, "packed": True}}
+            joined = self.admin.submit(
+                self.request, method="POST", path="/init_weight_transfer_engine", server=s, json=init
             )
-            self.nccl = trainer_init(info)  # blocks until the server's workers join, as /init_... does
+            s.nccl = trainer_init(info)  # blocks until the server's workers join, as /init_... does
             joined.result()
-        with self.weight_update(version):
-            self.request("POST", "/start_weight_update")
-            meta = {
-                "names": list(tensors),
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                "shapes": [list(t.shape) for t in tensors.values()],
-            }
-            received = self.pool.submit(self.request, method="POST", path="/update_weights", json={"update_info": meta})
-            packed_nccl_broadcast_producer(iter(tensors.items()), self.nccl, 0, lambda kv: kv[1])
-            received.result()
-            self.request("POST", "/finish_weight_update", json={"weight_version": str(version)})
+        names, dtypes, shapes = zip(*((k, str(t.dtype)[6:], list(t.shape)) for k, t in tensors.items()))  # bfloat16
+        meta = {"update_info": {"names": names, "dtype_names": dtypes, "shapes": shapes}}
+        with self.weight_update(servers, version):
+            for s in servers:
+                self.request("POST", "/start_weight_update", server=s)
+                got = self.admin.submit(self.request, method="POST", path="/update_weights", server=s, json=meta)
+                packed_nccl_broadcast_producer(iter(tensors.items()), s.nccl, 0, lambda kv: kv[1])
+                got.result()
+                self.request("POST", "/finish_weight_update", server=s, json={"weight_version": str(version)})
 
     def cleanup(self, keep_folders=()):
         """Remove the synced folders but `keep_folders`; with none kept (the run's end) unload its adapters too."""
         for old in set(os.listdir(self.sync_dir) if os.path.isdir(self.sync_dir) else ()) - set(keep_folders):
             shutil.rmtree(os.path.join(self.sync_dir, old), ignore_errors=True)
         while not keep_folders and self.adapters:
-            with contextlib.suppress(SamplerError):
-                self.request(
-                    "POST",
-                    "/v1/unload_lora_adapter",
-                    deadline=30.0,
-                    plain=True,
-                    json={"lora_name": self.adapters.pop()[0]},
-                )
+            self.unload(self.adapters.pop()[0])
 
     close = cleanup  # at the end of a run: no folder kept, this run's adapters unloaded
 
@@ -2619,6 +2689,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         k, v = ov.split("=", 1)
         k = k.strip()
         raw[k] = v if hints.get(k) is str else read_yaml(v, f"the value of override '{ov}'") if v.strip() else ""
+    if isinstance(raw.get("vllm_server_url"), str):  # one URL alone, or several comma-separated
+        raw["vllm_server_url"] = [u.strip() for u in raw["vllm_server_url"].split(",") if u.strip()]
     values = {}
     for k, v in raw.items():
         if k not in hints:
@@ -2640,6 +2712,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     if len(cfg.adam_betas) != 2:
         raise ConfigError(f"adam_betas must be two numbers [beta1, beta2], got {cfg.adam_betas}")
     check_branching(cfg)
+    for i, url in enumerate(cfg.vllm_server_url):
+        if not re.fullmatch(r"https?://[^/\s]+/?", url) or url in cfg.vllm_server_url[:i]:
+            raise ConfigError(
+                f"vllm_server_url: {url!r} is not a server URL or is there twice; write each http://HOST:PORT once"
+            )
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
     return cfg

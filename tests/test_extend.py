@@ -43,7 +43,7 @@ class CopySampler(M.LocalSampler):
     def probe_logprobs(self, ids):
         x = torch.tensor([ids])
         with torch.no_grad():
-            return M.token_logprobs(self.model, x, torch.ones_like(x), 1.0)[0, 1:].tolist()
+            return {"copy": M.token_logprobs(self.model, x, torch.ones_like(x), 1.0)[0, 1:].tolist()}
 
     def close(self):
         self.closed = True

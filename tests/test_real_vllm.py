@@ -4,6 +4,7 @@ clamp, cache_salt, greedy eval, and a 3-step LoRA training run through `MTGRPO_L
 
 The server serves the warm-started toy model; tests that need known weights on it sync them first."""
 
+import contextlib
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ import mt_grpo_trainer as M
 from conftest import ROOT, moving_run, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
 from tasks import toy_kv
 
+TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 AGREE = 2e-3  # mean |sampler - trainer| logprob over sampled tokens: bf16 server, float32 trainer
 
 
@@ -171,7 +173,9 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
-    with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's on 0% of its tokens") as e:
+    with pytest.raises(
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's on 0% of its tokens"
+    ) as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
     print(e.value)
 
@@ -249,7 +253,7 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
             calls, out = recording(client), {}
             worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [256] * 64, 1.0)))
             wait_until_generating(real_vllm.url, worker)
-            with client.weight_update(10 + attempt):  # pause (abort) ... resume, as every weight sync does
+            with client.weight_update(list(client.servers), 10 + attempt):  # pause (abort) ... resume, as a sync does
                 time.sleep(0.3)
             worker.join(timeout=300)
             aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
@@ -363,7 +367,7 @@ def test_cache_salt_keeps_other_weights_kv_out_of_the_prefix_cache(real_vllm, to
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
     client.generate([prompt], [4], 1.0)  # same salt: the prompt's KV blocks are reused
     reused = metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before
-    client.policy_version += 1  # as after a weight sync: a new salt
+    client.policy_version = client.servers[0].version = 1  # as after a weight sync: a new salt
     before = metric(real_vllm.url, "vllm:prefix_cache_hits_total")
     client.generate([prompt], [4], 1.0)
     assert reused >= 100 and metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before == 0
@@ -452,6 +456,132 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
     assert "adapter_model.safetensors" in os.listdir(tmp_path / "run" / "checkpoint-3")
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "run.sh stopped the server when training ended"
+
+
+# --- two real servers, started as `bash run.sh serve` starts them on a CPU (MTGRPO_VLLM_CPU_SERVERS=2) ---------
+
+
+@pytest.fixture(scope="module")
+def two_servers(toy_model_dir, tmp_path_factory):
+    """Two vLLM CPU servers of the warm-started toy model, 1 GB of KV cache each, from one `bash run.sh serve`."""
+    logs, port = tmp_path_factory.mktemp("two"), M.free_port()
+    env = {
+        **os.environ,
+        "MTGRPO_LAYOUT": "server",
+        "MTGRPO_VLLM_CPU_SERVERS": "2",
+        "MTGRPO_VLLM_CPU_KVCACHE_GB": "1",
+        "MTGRPO_VLLM_PORT": str(port),
+        "MTGRPO_VLLM_LOG": str(logs / "vllm.log"),
+        "MTGRPO_VLLM_VENV": vllm_cpu_venv(),
+        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+        "MTGRPO_REQUIREMENTS": "requirements.txt",
+    }
+    cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={toy_model_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # run.sh says so once every server answers /health
+            if line.startswith("[run.sh] serving at "):
+                urls = line.split()[3].split(",")
+                break
+        else:
+            pytest.fail(f"run.sh serve stopped (exit {proc.wait()}): {[f.read_text()[-2000:] for f in logs.iterdir()]}")
+        assert urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+        yield urls, [str(logs / f"vllm-{p}.log") for p in (port, port + 1)]
+    finally:
+        stop_real_server(proc)
+
+
+def wire(monkeypatch):
+    """Every completion request the clients of this process send, as (server, body, reply)."""
+    sent, real = [], M.VLLMServerClient.request
+
+    def request(self, method, path, deadline=None, **kw):
+        out = real(self, method, path, deadline, **kw)
+        if path == "/v1/completions":
+            sent.append((kw["server"].url, kw["json"], out))
+        return out
+
+    monkeypatch.setattr(M.VLLMServerClient, "request", request)
+    return sent
+
+
+def two_server_run(urls, model_dir, tmp_path, *overrides):
+    return [
+        f"model_name_or_path={model_dir}",
+        "model_builder=",
+        f"vllm_server_url={','.join(urls)}",
+        f"weight_sync_dir={tmp_path}/shm",
+        f"output_dir={tmp_path}/run",
+        "prompts_per_step=4",
+        "num_generations=4",
+        "log_episodes_steps=0",
+        *overrides,
+    ]
+
+
+def test_a_run_on_two_real_servers_keeps_each_episode_on_one_and_checks_every_sync_on_both(
+    two_servers, toy_model_dir, tmp_path, monkeypatch
+):
+    from transformers import AutoTokenizer
+
+    urls, _ = two_servers
+    sent = wire(monkeypatch)
+    hist = M.train(M.load_config(TOY, two_server_run(urls, toy_model_dir, tmp_path, "max_steps=3")))
+    turns = [(url, b["prompt"], c["token_ids"]) for url, b, r in sent if "n" in b for c in r["choices"]]
+    assert {url for url, _, _ in turns} == set(urls), "both servers sampled"
+    result = AutoTokenizer.from_pretrained(toy_model_dir).convert_tokens_to_ids("<result>")
+    later = [(url, p) for url, p, _ in turns if result in p]  # turns after a tool result
+    assert len(later) >= 8, "the warm-started policy looks up often enough for multi-turn episodes"
+    for url, prompt in later:  # the turn before it: a prompt + completion it extends, on the same server
+        before = [
+            u for u, p, ids in turns if len(p) + len(ids) <= len(prompt) and prompt[: len(p) + len(ids)] == p + ids
+        ]
+        assert before and set(before) == {url}, "an episode's turns all go to one server"
+    probes = [(url, b["cache_salt"].rsplit("-", 1)[1]) for url, b, _ in sent if "prompt_logprobs" in b]
+    assert sorted(probes) == sorted((u, f"v{v}") for u in urls for v in range(4) for _ in range(2)), (
+        "every sync (set-up, then after each of 3 steps) checked on both servers, twice"
+    )
+    assert all(m["sync/servers_checked"] == 2 and m["sync/probe_logprob_diff"] < 0.05 for m in hist)
+    assert all(m["rollout/server_balance"] > 0.6 and m["rollout/servers_lost"] == 0 for m in hist), hist
+
+
+def test_killing_one_real_server_mid_run_leaves_the_run_finishing_on_the_other(two_servers, toy_model_dir, tmp_path):
+    """(Kills one of the two servers: the last test to use them.)"""
+    import signal
+
+    urls, logs = two_servers
+    args = two_server_run(urls, toy_model_dir, tmp_path, "max_steps=6", "save_steps=2")
+    env = {**os.environ, "MTGRPO_VLLM_LOG": ",".join(logs)}
+    cmd = [sys.executable, "mt_grpo_trainer.py", TOY, *args]
+    trainer = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while (
+        time.time() < deadline
+        and trainer.poll() is None
+        and len(metrics.read_text().splitlines() if metrics.exists() else []) < 2
+    ):
+        time.sleep(0.2)
+    os.killpg(server_group(urls[1]), signal.SIGKILL)  # the second server's API process, EngineCore and all
+    out, err = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0, err[-3000:]
+    hist = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [m["step"] for m in hist] == list(range(1, 7)) and (tmp_path / "run" / "checkpoint-6").is_dir()
+    assert out.count(f"the vLLM server at {urls[1]} is down") == 1 and sum(m["rollout/servers_lost"] for m in hist) == 1
+    after = [m for m in hist if m["rollout/servers_up"] == 1]  # from the step it was found down in
+    assert len(after) >= 2 and all(m["rollout/server0_request_share"] == 1 for m in after[1:]), hist
+    assert all(m["sync/servers_checked"] == 1 for m in after), "a server found down is not synced"
+
+
+def server_group(url):
+    """The process group of the vLLM API server listening on `url`'s port (run.sh starts each in one of its own)."""
+    port = url.rsplit(":", 1)[1].encode()
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port and b"vllm.entrypoints" in b" ".join(argv):
+                return os.getpgid(int(d))
+    raise AssertionError(f"no vLLM server process on port {port}")
 
 
 # --- the stand-in answers as the real server does: the same battery of requests against both ---------

@@ -377,13 +377,13 @@ def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(
             srv.proc.wait()
 
 
-def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
-    """SIGKILL runs no trap: run.sh's watcher in the server's process group stops the server (here the stand-in behind
-    a fake `vllm serve`, with a child of its own) once run.sh is gone."""
+def test_no_server_outlives_a_run_sh_killed_outright(tmp_path, tiny_model_dir):
+    """SIGKILL runs no trap: run.sh's watcher in each server's process group stops that server (here two stand-ins
+    behind a fake `vllm serve`, one per GPU of vllm_gpus, each with a child of its own) once run.sh is gone."""
     bin_dir = fake_bin(
         tmp_path,
-        f'#!/bin/sh\nsleep 600 &\nexec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" '
-        f'--port "$MTGRPO_VLLM_PORT" --max-model-len 512\n',
+        "#!/bin/sh\nsleep 600 &\nport=$(echo \"$@\" | sed 's/.*--port \\([0-9]*\\).*/\\1/')\n"
+        f'exec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" --port "$port" --max-model-len 512\n',
     )
     port = M.free_port()
     p = subprocess.Popen(
@@ -394,6 +394,8 @@ def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
             "hf_recipes/toy/toy-kv--mt-grpo.yaml",
             f"model_name_or_path={tiny_model_dir}",
             "model_builder=",
+            "vllm_gpus=1,2",
+            "train_gpus=0",
         ],
         cwd=ROOT,
         env=sh_env(tmp_path, bin_dir, port),
@@ -402,27 +404,153 @@ def test_a_server_outlives_no_run_sh_killed_outright(tmp_path, tiny_model_dir):
         text=True,
         start_new_session=True,
     )
-    group = None
+    groups = []
     try:
-        deadline = time.time() + 120
-        while not port_open(port) and time.time() < deadline:
-            time.sleep(0.2)
-        assert port_open(port), "the stand-in did not start"
-        mine = b"\0".join([b"vllm_standin.py", b"--model", tiny_model_dir.encode(), b"--port", str(port).encode()])
-        group = next(
-            os.getpgid(int(d))
-            for d in filter(str.isdigit, os.listdir("/proc"))
-            if os.path.exists(f"/proc/{d}/cmdline") and mine in open(f"/proc/{d}/cmdline", "rb").read()
-        )
-        assert group not in (os.getpgid(p.pid), os.getpgid(0)) and len(group_of(group)) >= 3  # watcher, stand-in, child
+        assert any(line.startswith("[run.sh] serving at ") for line in p.stdout), "run.sh did not serve"
+        for served in (port, port + 1):
+            mine = b"\0".join(
+                [b"vllm_standin.py", b"--model", tiny_model_dir.encode(), b"--port", str(served).encode()]
+            )
+            groups.append(
+                next(
+                    os.getpgid(int(d))
+                    for d in filter(str.isdigit, os.listdir("/proc"))
+                    if os.path.exists(f"/proc/{d}/cmdline") and mine in open(f"/proc/{d}/cmdline", "rb").read()
+                )
+            )
+        for group in groups:  # a watcher, a stand-in and its child each, apart from run.sh's and each other's
+            assert group not in (os.getpgid(p.pid), os.getpgid(0)) and len(group_of(group)) >= 3
+        assert groups[0] != groups[1]
         p.kill()
         p.wait(timeout=10)
-        assert not group_of(group, wait=15), "the server outlived run.sh"
+        assert not any(group_of(group, wait=15) for group in groups), "a server outlived run.sh"
     finally:
-        for g in {p.pid, group} - {None, os.getpgid(0)}:  # never this test's own group
+        for g in {p.pid, *groups} - {os.getpgid(0)}:  # never this test's own group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(g, signal.SIGKILL)
         p.wait()
+
+
+STANDIN_VLLM = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+opt = dict(zip(args[2::2], args[3::2]))
+json.dump({{"argv": args, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}, open(f"{record}-{{opt['--port']}}.json", "w"))
+os.execv(sys.executable, [sys.executable, {standin!r}, "--model", args[1], "--port", opt["--port"], "--max-model-len",
+         opt["--max-model-len"]])
+"""
+
+
+def test_the_gpu_layout_serves_one_server_per_group_of_vllm_gpus_and_trains_with_all(tiny_model_dir, tmp_path):
+    record = tmp_path / "launch"
+    body = STANDIN_VLLM.format(
+        python=sys.executable, record=record, standin=os.path.join(ROOT, "tests", "vllm_standin.py")
+    )
+    bin_dir, port, run = fake_bin(tmp_path, body), M.free_port(), tmp_path / "run"
+    common = ("hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=")
+    bad = run_sh(tmp_path, bin_dir, port, *common, "vllm_gpus=0,1,2", "vllm_tensor_parallel_size=2", timeout=120)
+    assert bad.returncode != 0 and "vllm_gpus=0,1,2 holds 3 GPU(s), not a multiple of vllm_tensor_parallel_size=2" in (
+        bad.stderr
+    )
+    assert not list(tmp_path.glob("launch-*")), "nothing was launched"
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        port,
+        *common,
+        "vllm_gpus=1,2",
+        "train_gpus=0",
+        "max_steps=2",
+        "prompts_per_step=4",
+        "num_generations=2",
+        "max_tokens=12",
+        f"output_dir={run}",
+        f"weight_sync_dir={tmp_path}/shm",
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    launches = [json.loads((tmp_path / f"launch-{p}.json").read_text()) for p in (port, port + 1)]
+    assert [(x["gpus"], x["argv"][x["argv"].index("--tensor-parallel-size") + 1]) for x in launches] == [
+        ("1", "1"),
+        ("2", "1"),
+    ], "data parallel: one server per GPU, each on its own port"
+    assert r.stdout.count("[run.sh] vLLM is healthy at") == 2 and "torchrun: 1 training rank(s) on GPU(s) 0" in r.stdout
+    metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert all(m["sync/servers_checked"] == 2 for m in metrics), "every sync reached and checked both"
+    assert all(sum(m[f"rollout/server{i}_request_share"] for m in metrics) > 0 for i in (0, 1)), "both sampled"
+    assert not port_open(port) and not port_open(port + 1), "run.sh stops both servers when training ends"
+    p = subprocess.Popen(  # tensor parallel within a group: one server on GPUs 1 and 2
+        ["bash", "run.sh", "serve", *common, "vllm_gpus=1,2", "vllm_tensor_parallel_size=2", "train_gpus=0"],
+        cwd=ROOT,
+        env=sh_env(tmp_path, bin_dir, port),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert any(line.startswith(f"[run.sh] serving at http://127.0.0.1:{port} ") for line in p.stdout)
+        launch = json.loads((tmp_path / f"launch-{port}.json").read_text())
+        assert launch["gpus"] == "1,2" and launch["argv"][launch["argv"].index("--tensor-parallel-size") + 1] == "2"
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+    assert not port_open(port)
+
+
+def test_two_nodes_each_run_sh_with_every_servers_url_train_one_run(tiny_model_dir, tmp_path):
+    """Several nodes, on one machine: two run.sh, each a node of `torchrun --nnodes 2` with one CPU rank, both given
+    the two servers' URLs with --server-url (servers that run elsewhere: each node's `bash run.sh serve`)."""
+    from tests.vllm_standin import StandinServer
+
+    run = tmp_path / "run"
+    with StandinServer(tiny_model_dir) as a, StandinServer(tiny_model_dir) as b:
+        args = [
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            "--server-url",
+            f"{a.url},{b.url}",
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=2",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+            f"output_dir={run}",
+            f"weight_sync_dir={tmp_path}/shm",
+        ]
+        nodes = {"MTGRPO_LAYOUT": "server", "MTGRPO_NNODES": "2", "MTGRPO_MASTER_ADDR": "127.0.0.1"}
+        nodes["MTGRPO_MASTER_PORT"] = str(M.free_port())
+        alone = run_sh(
+            tmp_path,
+            tmp_path,
+            M.free_port(),
+            *[x for x in args if x not in ("--server-url", f"{a.url},{b.url}")],
+            extra_env={**nodes, "MTGRPO_NODE_RANK": "0"},
+            timeout=120,
+        )
+        assert alone.returncode != 0 and "MTGRPO_NNODES=2 needs --server-url with every node's servers" in alone.stderr
+        procs = [
+            subprocess.Popen(
+                ["bash", "run.sh", *args],
+                cwd=ROOT,
+                env=sh_env(tmp_path, tmp_path, M.free_port(), {**nodes, "MTGRPO_NODE_RANK": str(k)}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for k in (0, 1)
+        ]
+        try:
+            outs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        sampled = [sum(1 for r in s.requests if r["path"] == "/v1/completions") for s in (a, b)]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    assert all("torchrun: 1 training rank(s) on the CPU" in out for out, _ in outs)
+    metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["sync/servers_checked"] == 2 for m in metrics)
+    assert all(n > 0 for n in sampled), "every rank samples from both servers"
 
 
 def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_process_groups(tmp_path):

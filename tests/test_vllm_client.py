@@ -53,7 +53,7 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
         {"prompt": "what is bravo?", "key": "bravo", "value": "y"}
     ] * 4
     parsed, parse = [], client.completion  # every completion the client made of a reply, as it returned it
-    client.completion = lambda c, version=0: parsed.append(out := parse(c, version)) or out
+    client.completion = lambda c, version, url: parsed.append(out := parse(c, version, url)) or out
     eps = env.rollout(rows, client)
     reqs = completions(server)
     first = reqs[:2]
@@ -360,7 +360,9 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
-    with pytest.raises(M.SyncCheckError, match=r"after step 1: since step 0 .* the server's on 0% of its tokens"):
+    with pytest.raises(
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's on 0% of its tokens"
+    ):
         M.train(recipe_cfg(tmp_path / "skipped", *common))
 
 
@@ -372,11 +374,12 @@ def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
     assert out[0].ids == out[1].ids == out[2].ids and out[0].ids
 
 
-def standin_process(model_dir, tmp_path):
-    """The stand-in in a process of its own, so that a test can kill it like a crashed server."""
+def standin_process(model_dir, tmp_path, name="server", port=None, latency=0.0):
+    """The stand-in in a process of its own, so that a test can kill it like a crashed server (and start it again on
+    its port), its output in NAME.log; `latency` s added to each completion."""
     import subprocess
 
-    port, log = M.free_port(), tmp_path / "server.log"
+    port, log = port or M.free_port(), tmp_path / f"{name}.log"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -385,6 +388,8 @@ def standin_process(model_dir, tmp_path):
             model_dir,
             "--port",
             str(port),
+            "--latency",
+            str(latency),
         ],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
@@ -399,7 +404,8 @@ def standin_process(model_dir, tmp_path):
     raise AssertionError("the stand-in did not start: " + log.read_text())
 
 
-def trainer_against(url, model_dir, tmp_path, *overrides):
+def trainer_against(url, model_dir, tmp_path, *overrides, logs="server.log"):
+    """The trainer on the toy recipe against the servers at `url` (comma-separated), whose logs are `logs`."""
     import subprocess
 
     return subprocess.Popen(
@@ -423,28 +429,34 @@ def trainer_against(url, model_dir, tmp_path, *overrides):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "MTGRPO_VLLM_LOG": str(tmp_path / "server.log")},
+        env={**os.environ, "MTGRPO_VLLM_LOG": ",".join(str(tmp_path / log) for log in logs.split(","))},
     )
 
 
-def wait_for(path, timeout=120):
+def wait_for(path, timeout=120, poll=0.2):
     deadline = time.time() + timeout
     while time.time() < deadline and not path.exists():
-        time.sleep(0.2)
+        time.sleep(poll)
     assert path.exists(), f"{path} never appeared"
 
 
-def test_a_dead_server_stops_the_run_within_server_dead_timeout_with_its_log(tiny_model_dir, tmp_path):
-    server, url, log = standin_process(tiny_model_dir, tmp_path)
-    trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=5")
+def test_when_every_server_is_gone_the_run_stops_within_server_dead_timeout_with_each_log(tiny_model_dir, tmp_path):
+    (a, url_a, _), (b, url_b, _) = (standin_process(tiny_model_dir, tmp_path, name) for name in ("a", "b"))
+    trainer = trainer_against(f"{url_a},{url_b}", tiny_model_dir, tmp_path, "server_dead_timeout=5", logs="a.log,b.log")
     wait_for(tmp_path / "run" / "checkpoint-2")
-    server.kill()  # the process is gone: connections are refused from now on
+    a.kill()  # the processes are gone: connections are refused from now on
+    b.kill()
     t = time.time()
     out, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1, err[-2000:]
     assert time.time() - t < 5 + 25, "stopped after server_dead_timeout, not after request_deadline (1800 s)"
-    assert f"the vLLM server at {url} has not been healthy for" in err and "Last lines of the server's log" in err
-    assert "vLLM 0.32 stand-in:" in err, "the server log's tail is part of the error"
+    assert "no vLLM server is left" in err, err[-3000:]
+    for url, log in ((url_a, "a.log"), (url_b, "b.log")):  # each server's log tail is part of the error
+        assert (
+            f"Last lines of the log of {url} ({tmp_path / log}):\n" in err
+            and f"stand-in: {tiny_model_dir} at {url}" in err
+        )
+    assert out.count("is down (") == 2, "each server's loss is said once"
     done = M.find_checkpoint(M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"]))
     assert done and os.path.isfile(os.path.join(done, "model.safetensors")), "the last checkpoint stays usable"
 
@@ -455,33 +467,31 @@ def test_the_server_log_is_found_after_the_working_folder_moved(tiny_model_dir, 
     monkeypatch.setenv("MTGRPO_VLLM_LOG", "vllm.log")  # run.sh's default is relative, too
     with StandinServer(tiny_model_dir) as srv:
         client = M.VLLMServerClient(
-            M.load_config(
-                None, [f"vllm_server_url={srv.url}", "server_dead_timeout=0.01", f"output_dir={tmp_path}/run"]
-            ),
+            M.load_config(None, [f"vllm_server_url={srv.url}", "server_dead_timeout=1", f"output_dir={tmp_path}/run"]),
             srv.vocab_size,
         )
     os.chdir(tmp_path.parent)
-    client.check_alive(OSError("refused"))  # the server is gone: from now on it is down
-    time.sleep(0.05)
-    with pytest.raises(M.SamplerError, match="has not been healthy") as e:
-        client.check_alive(OSError("refused"))
-    assert f"Last lines of the server's log ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
+    with pytest.raises(
+        M.SamplerError, match=r"no vLLM server is left to sample from after 1s \(server_dead_timeout\)"
+    ) as e:
+        client.generate([[5, 6, 7]], [4])  # the server is gone
+    assert f"Last lines of the log of {srv.url} ({tmp_path}/vllm.log):\nthe engine died" in str(e.value)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_requests_are_retried_stops_the_run_at_once(tiny_model_dir, tmp_path, sig):
     import signal
 
-    server, url, log = standin_process(tiny_model_dir, tmp_path)
+    server, url, log = standin_process(tiny_model_dir, tmp_path, latency=2.0)
     trainer = trainer_against(url, tiny_model_dir, tmp_path, "server_dead_timeout=600")
-    wait_for(tmp_path / "run" / "checkpoint-2")
-    server.kill()
-    time.sleep(3)  # the client is now retrying a refused connection
+    wait_for(tmp_path / "run" / "checkpoint-2", poll=0.05)
+    server.kill()  # within step 3's rollout (2 s a request), not a sync: its requests wait for a server to come back
+    time.sleep(3)
     t = time.time()
     trainer.send_signal(getattr(signal, sig))
     out, err = trainer.communicate(timeout=60)
     assert time.time() - t < 15 and trainer.returncode == 1, err[-2000:]
-    assert "stopped (SIGTERM or Ctrl-C) while retrying" in err and "saved checkpoints are unaffected" in err
+    assert "SIGTERM or Ctrl-C" in err and "saved checkpoints are unaffected" in err
     assert "Traceback" not in err
     done = M.find_checkpoint(M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"]))
     assert done and os.path.isfile(os.path.join(done, "trainer_state.pt"))

@@ -31,7 +31,7 @@ batch already running (its requests still come back as "abort"); pydantic messag
 type and param are exact); a `backend=` callable runs in each request's own thread and produces no text.
 """
 
-import argparse, dataclasses, glob, hashlib, json, os, re, socket, sys, threading, time, uuid
+import argparse, contextlib, dataclasses, glob, hashlib, json, os, re, socket, sys, threading, time, uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -144,16 +144,31 @@ class Faults:
     KINDS = ("fail", "drop", "malformed", "omit_token_ids", "omit_logprobs", "bad_token")
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock, self._slots, self._busy = threading.Lock(), threading.Condition(), 0
         self.clear()
 
     def clear(self):
         with self._lock:
             self._left = dict.fromkeys(self.KINDS, 0)
-            self.fail_status, self.latency_s, self.engine_dead = 500, 0.0, False
+            self.fail_status, self.latency_s, self.capacity, self.engine_dead = 500, 0.0, 0, False
 
-    def set_latency(self, seconds: float):
-        self.latency_s = float(seconds)  # added to every completion request
+    def set_latency(self, seconds: float, capacity: int = 0):
+        """`seconds` added to every completion request. With `capacity`, at most that many sequences (n per request)
+        wait them out at once and the rest queue: an engine that runs so many at a time (vLLM's max_num_seqs)."""
+        self.latency_s, self.capacity = float(seconds), capacity
+
+    @contextlib.contextmanager
+    def occupying(self, n: int):
+        """n sequences of the capacity, for the block (one request larger than the capacity runs alone)."""
+        with self._slots:
+            self._slots.wait_for(lambda: not self.capacity or self._busy == 0 or self._busy + n <= self.capacity)
+            self._busy += n
+        try:
+            yield
+        finally:
+            with self._slots:
+                self._busy -= n
+                self._slots.notify_all()
 
     def set_engine_dead(self, dead: bool = True):
         self.engine_dead = dead  # /health 503, completions 500
@@ -422,8 +437,9 @@ class StandinServer:
 
     # ------------------------------------------------------------------ /v1/completions
     def _completions(self, body, content_type):
-        if self.faults.latency_s > 0:
-            time.sleep(self.faults.latency_s)  # holding no lock: concurrent requests overlap
+        if self.faults.latency_s > 0:  # holding no lock: concurrent requests overlap, up to the capacity
+            with self.faults.occupying(int(body.get("n") or 1) if isinstance(body, dict) else 1):
+                time.sleep(self.faults.latency_s)
         if self.faults.take("drop"):
             raise _Drop()
         if self.faults.take("fail"):
@@ -969,6 +985,7 @@ def main():
     ap.add_argument("--no-dev-mode", action="store_true", help="as without VLLM_SERVER_DEV_MODE=1")
     ap.add_argument("--weight-transfer", action="store_true", help="as with --weight-transfer-config")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds added to every completion request")
+    ap.add_argument("--capacity", type=int, default=0, help="sequences that wait out --latency at once (0: all)")
     a = ap.parse_args()
     srv = StandinServer(
         a.model,
@@ -978,7 +995,7 @@ def main():
         dev_mode=not a.no_dev_mode,
         weight_transfer=a.weight_transfer,
     ).start()
-    srv.faults.set_latency(a.latency)
+    srv.faults.set_latency(a.latency, a.capacity)
     print(f"vLLM 0.32 stand-in: {srv.served_model_name} at {srv.url}", flush=True)
     try:
         while True:
