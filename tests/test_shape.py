@@ -13,8 +13,9 @@ APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX
 
 def test_the_file_and_its_read_path_stay_short():
     # Lines as `ruff format` lays them out (CI checks the file is formatted), so packing cannot meet a budget.
-    # Formatted, the file is 3,143 lines and its read path 1,523; the budgets (2,500 and 1,300) come by simplifying.
-    assert APPENDIX < 1530, f"the read path (before the appendix) is {APPENDIX} lines; cap 1,530"
+    assert APPENDIX < 1300, f"the read path (before the appendix) is {APPENDIX} lines; its budget is 1,300"
+    # The whole file's budget was 2,500; with turn-level credit for any number of turns (branching) and several
+    # servers it is 3,196. It may not grow: simplify to add.
     assert len(LINES) <= 3196, f"mt_grpo_trainer.py is {len(LINES)} lines: simplify before adding"
 
 
@@ -22,9 +23,9 @@ def test_no_function_is_too_long_and_train_is_the_loop():
     long = [
         (n.name, n.end_lineno - n.lineno + 1)
         for n in ast.walk(ast.parse(SOURCE))
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 71
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60
     ]
-    assert long == [], f"functions over 71 lines: {long}"
+    assert long == [], f"functions over 60 lines: {long}"
     body = inspect.getsource(M.train)
     for step in ("rollout", "update", "sync", "log", "save"):
         assert re.search(rf"# \d(-\d)?\. .*{step}", body), f"train() does not show the '{step}' step"
