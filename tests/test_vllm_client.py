@@ -333,7 +333,7 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
     server, tiny_model_dir, tmp_path, monkeypatch
 ):
     """At a learning rate whose step moves the probe far less than the bf16 gap (the stand-in serves the bf16 weights,
-    in float32), every sync is judged: the server's logprobs moved on every token of the probe, as the trainer's did;
+    in float32), every sync is judged: the server's logprobs moved on nearly every token of the probe, as the trainer's did;
     a run whose reload after step 1 does nothing stops there, the server's logprobs as they were to the bit."""
     common = [
         *moving_run(tmp_path, tiny_model_dir),
@@ -348,10 +348,11 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
         "log_episodes_steps=0",
     ]
     hist = M.train(recipe_cfg(tmp_path / "synced", *common))
-    print([(m["sync/probe_logprob_diff"], m["sync/probe_change"]) for m in hist])
-    assert all(m["sync/probe_change"] < m["sync/probe_logprob_diff"] for m in hist), "one step: less than the gap"
-    assert all(m["sync/probe_follow"] == 1 and m["sync/probe_repeat"] == 0 for m in hist), (
-        "every step judged: the server's logprobs moved on every token, and it repeats them to the bit"
+    seen = [(m["sync/probe_logprob_diff"], m["sync/probe_change"], m.get("sync/probe_follow")) for m in hist]
+    assert all(m["sync/probe_change"] < m["sync/probe_logprob_diff"] for m in hist), f"one step, below the gap: {seen}"
+    # a token whose logprob moves by less than float32's step at its value may repeat; the check stops below 50%
+    assert all(m.get("sync/probe_follow", 0) >= 0.9 and m["sync/probe_repeat"] == 0 for m in hist), (
+        f"every step judged: the server's logprobs moved on (nearly) every token, and it repeats them to the bit: {seen}"
     )
     probes = [r["cache_salt"] for r in completions(server) if "-probe" in r["cache_salt"]]
     salt = probes[0].split("-")[0]
