@@ -144,6 +144,7 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
   if [ "$2" = 1 ]; then log=${MTGRPO_VLLM_LOG:-vllm-$port.log}
   elif [ -n "${MTGRPO_VLLM_LOG:-}" ]; then log=${MTGRPO_VLLM_LOG%.log}-$port.log
   else log=vllm-$port.log; fi
+  mkdir -p "$(dirname "$log")"
   local url=http://${HOST/#0.0.0.0/127.0.0.1}:$port
   if (exec 3<>"/dev/tcp/${HOST/#0.0.0.0/127.0.0.1}/$port") 2>/dev/null; then   # something listens there: a busy server may answer /health late
     echo "[run.sh] error: a server already answers on port $port. Use it with --server-url $url," \

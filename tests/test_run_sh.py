@@ -124,6 +124,7 @@ def test_a_server_that_dies_at_start_is_a_readable_error(tmp_path, tiny_model_di
         "train_gpus=0,1",
         f"output_dir={tmp_path}/run",
         timeout=120,
+        extra_env={"MTGRPO_VLLM_LOG": str(tmp_path / "new-folder" / "vllm.log")},  # run.sh makes the log's folder
     )
     assert r.returncode != 0 and "[run.sh] layout: local" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "the vLLM server exited before it was healthy" in r.stderr and "no kernel image" in r.stderr
