@@ -416,14 +416,10 @@ def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout
     for fn, w in zip(funcs, weights):
         for ep, total, v in zip(episodes, totals, call_reward(fn, completions, columns, timeout, stop_event, per_turn)):
             ep.rewards[reward_name(fn)] = sum(v) if isinstance(v, list) else v
-            for k, x in enumerate(v) if isinstance(v, list) else [(calling_turn(ep) if per_turn else 0, v)]:
+            calling = max(0, (ep.first_result_turn or len(ep.turns)) - 1) if per_turn else 0  # see above
+            for k, x in enumerate(v) if isinstance(v, list) else [(calling, v)]:
                 total[k] += w * x
     return totals if per_turn else [t[0] for t in totals]
-
-
-def calling_turn(ep: Episode) -> int:
-    """The assistant turn that called the first tool (the last turn if none did)."""
-    return max(0, (ep.first_result_turn or len(ep.turns)) - 1)
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
@@ -752,11 +748,8 @@ class MultiTurnToolEnv:
         return DaemonPool(32)
 
     def new_episode(self, row: dict) -> Episode:
-        ep = new_episode(row, self.system_prompt)
-        norm = self.chat.norm  # prompts as the tokenizer reads them
-        ep.messages = [
-            {**m, "content": norm(m["content"])} if isinstance(m.get("content"), str) else m for m in ep.messages
-        ]
+        ep = new_episode(row, self.system_prompt)  # its prompts (text: load_rows checks) as the tokenizer reads them
+        ep.messages = [{**m, "content": self.chat.norm(m["content"])} for m in ep.messages]
         return ep
 
     def next_prompt(self, ep: Episode) -> list[int]:
@@ -1084,7 +1077,7 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
-    names = [getattr(fn, "__name__", str(fn)) for fn in reward_fns]
+    names = [reward_name(fn) for fn in reward_fns]
     m = {f"eval/{n}": float(np.mean([r["rewards"][n] for r in records])) for n in names}
     m["eval/answered"] = float(np.mean([r["end_reason"] == "answer" for r in records]))
     print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
@@ -1116,14 +1109,10 @@ def main(argv=None):
             exit_now(0)
     except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
+        print(f"mt-grpo: error{where}: {e}", file=sys.stderr)  # exit_now flushes
         exit_now(1)
     except KeyboardInterrupt:
-        print(
-            "\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected", file=sys.stderr)
         exit_now(130)
     except BaseException:
         if dist.is_initialized():  # torchrun stops the other ranks once this one exits: never a hang
@@ -1267,9 +1256,7 @@ class Run:
             raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
-        ok = [
-            i for i, p in enumerate(processed) if math.isfinite(p)
-        ]  # not a token at the edge of the trainer's nucleus
+        ok = [i for i, p in enumerate(processed) if math.isfinite(p)]  # not at the edge of the trainer's nucleus
         srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
         n, to_raw, to_processed = all_reduce(
             len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed))
@@ -1654,10 +1641,8 @@ class ToolCollapseAlarm:
         )
 
 
-RECORDED = (
-    "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches rewards".split()
-)
-RECORDED += "turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
+RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
+RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
 
 def episode_record(step: int, i: int, group: int, ep: Episode) -> dict:
@@ -2258,12 +2243,8 @@ class RolloutProducer:
         m["time/wait_rollout"] = time.time() - t0
         if self.k:  # how many versions before the update each trained token was sampled (the permits keep it <= k)
             ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
-            m.update(
-                {
-                    "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
-                    "rollout/staleness_max": max(ages, default=0),
-                }
-            )
+            m["rollout/staleness_mean"] = float(np.mean(ages)) if ages else 0.0
+            m["rollout/staleness_max"] = max(ages, default=0)
         return episodes, m
 
     def advance(self):
@@ -2369,17 +2350,13 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     if not fsdp:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None, None
-        return (
-            {k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains},
-            optimizer.state_dict() if optimizer else None,
-        )
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains}
+        return sd, optimizer.state_dict() if optimizer else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
-    return (
-        {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
-        get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None,
-    )
+    sd = {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains}
+    return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -2562,12 +2539,8 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        g.update(
-            initial_lr=cfg.learning_rate,
-            lr=cfg.learning_rate * f(scheduler.last_epoch),
-            weight_decay=cfg.weight_decay,
-            betas=tuple(cfg.adam_betas),
-        )
+        g.update(initial_lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
+        g["lr"] = cfg.learning_rate * f(scheduler.last_epoch)
     if world == 1:  # rank 0's streams; with several ranks each keeps its own seed
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -2649,9 +2622,8 @@ def in_range(value: float, interval: str) -> bool:
         return True
     if interval[0] in "[(":
         lo, hi = (float(x) for x in interval[1:-1].split(","))
-        return (lo <= value if interval[0] == "[" else lo < value) and (
-            value <= hi if interval[-1] == "]" else value < hi
-        )
+        above = lo <= value if interval[0] == "[" else lo < value
+        return above and (value <= hi if interval[-1] == "]" else value < hi)
     op, bound = interval.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 
