@@ -541,14 +541,14 @@ INDEPENDENT_MODES = set(ADVANTAGE_MODES) - {"tree"}  # modes that take a group's
 
 def roots_per_prompt(cfg: Config) -> int:
     """Episodes started per prompt: G, or with branching G / branch_width^branch_depth (the tree's roots)."""
-    return cfg.num_generations // (cfg.branch_width**cfg.branch_depth if cfg.branch_width > 1 else 1)
+    return cfg.num_generations // cfg.branch_width**cfg.branch_depth
 
 
 def node_weight(node: tuple, cfg: Config) -> float:
     """The leaves a node stands for in a full tree: b^(depth - its branchings). Its tokens, trained once, weigh that
     much, so the loss is the loss of the G root-to-leaf paths in expectation (however many of them a path that stopped
     early left unsampled); without branching, 1."""
-    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node))) if cfg.branch_width > 1 else 1.0
+    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node)))
 
 
 def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
@@ -926,11 +926,8 @@ def token_logprobs(model, ids, attn, temperature: float):
         return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    next_ids = ids.roll(-1, 1).flatten()  # a row's last token gets a dummy (its first), dropped below
-    lp = [
-        torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)
-        for x, y in zip(logits.split(n), next_ids.split(n))
-    ]
+    targets = ids.roll(-1, 1).flatten().split(n)  # next tokens; a row's last gets a dummy (its first), dropped below
+    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in zip(logits.split(n), targets)]
     return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
 
 
@@ -1257,10 +1254,8 @@ class Run:
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
         ok = [i for i, p in enumerate(processed) if math.isfinite(p)]  # not at the edge of the trainer's nucleus
-        srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
-        n, to_raw, to_processed = all_reduce(
-            len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed))
-        )
+        gaps = [sum(abs(srv[i] - x[i]) for i in ok) for x in (raw, processed)]
+        n, to_raw, to_processed = all_reduce(len(ok), *gaps)
         if to_raw < to_processed / 2:  # clearly closer to the raw ones
             raise SamplerError(
                 f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
@@ -2144,11 +2139,10 @@ class VLLMServerClient:
 
     def unload(self, name: str):
         """Unload a LoRA adapter from every server that is up (one taken back since it was loaded never had it)."""
+        body = {"lora_name": name}
         for s in (s for s in self.servers if s.down_since is None):
             with contextlib.suppress(SamplerError):
-                self.request(
-                    "POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json={"lora_name": name}
-                )
+                self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json=body)
 
     @contextlib.contextmanager
     def weight_update(self, servers: list[Server], version: int, pause: bool = True):
@@ -2472,7 +2466,6 @@ def find_checkpoint(cfg: Config, say=print) -> str | None:
             f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
             f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''"
         )
-    return None
 
 
 def checkpoint_problem(path: str) -> str:
@@ -3129,7 +3122,6 @@ class ChatTemplate:
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 rest = gone[len(os.path.commonprefix([gone, text[len(kept) :]])) :]  # what the fresh text lacks
                 return (lp + k, kept) if not rest.strip() else None
-        return None
 
     def check_tokenization(self, ep: Episode) -> int:
         """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
