@@ -423,12 +423,9 @@ def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
-# MT-GRPO (Zeng et al. 2025, Eq. 5) gives the turns before the first tool result A_O + lambda A_T, the later turns A_O:
-# credit for two segments. For any number of turns, a turn k needs a baseline that depends only on its state, never on
-# how many turns its own trajectory took: normalising rewards per turn index across the group (verl RFC 7244) subtracts
-# a baseline whose number of terms depends on where the trajectory stopped, a hidden bonus for taking another turn. So
-# `tree` branches: siblings continue from the same tokens, the same state, and the mean of their reward-to-go is an
-# unbiased baseline (leave-one-out: exactly). Without branching, only the prompt is a shared state (reward_to_go).
+# Why not normalise rewards per turn index across the group (verl RFC 7244), for any number of turns: that baseline's
+# number of terms depends on where the trajectory stopped, a hidden bonus for taking another turn. A baseline from the
+# turn's state (see the header) is unbiased: `tree`'s siblings (leave-one-out), or without branching the prompt's.
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
@@ -1007,9 +1004,8 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         ep.group = i  # the step's groups, numbered anew across draws
     m = {"time/rollout": time.time() - t0}
     if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained: this every episode rolled out
-        outcomes = [r for g in drawn for r in g]
         m.update({"rollout/groups_filtered": len(drawn) - len(kept), "rollout/extra_draws": extra})
-        m["reward/outcome_before_filter"] = float(np.mean(outcomes))
+        m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
     return [ep for g in groups for ep in g], m
 
 
@@ -1861,10 +1857,9 @@ class VLLMServerClient:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
 
     def request(self, method, path, deadline=None, retry_5xx=True, plain=False, *, server: Server, **kw) -> dict:
-        end = time.monotonic() + (deadline or self.cfg.request_deadline)
-        delay, attempt = 0.5, 0
-        while True:
-            attempt += 1
+        deadline = deadline or self.cfg.request_deadline
+        end, delay = time.monotonic() + deadline, 0.5
+        for attempt in itertools.count(1):
             try:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
@@ -1887,7 +1882,7 @@ class VLLMServerClient:
             if time.monotonic() + delay > end:
                 raise SamplerError(
                     f"the vLLM server at {server.url} gave no usable answer to {method} {path} within "
-                    f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {last}). Is `vllm serve` "
+                    f"{deadline:.0f}s ({attempt} attempts; last: {last}). Is `vllm serve` "
                     f"running there and healthy (GET {server.url}/health)?"
                 )
             self.stop_event.wait(delay)
