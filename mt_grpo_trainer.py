@@ -1066,8 +1066,7 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     records = [r for part in gather_to_rank0(records) for r in part]
     if rank != 0:
         return {}
-    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")  # setup made eval/ (prepare_output_dir)
     with open(out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
     names = [reward_name(fn) for fn in reward_fns]
