@@ -416,23 +416,16 @@ def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout
     for fn, w in zip(funcs, weights):
         for ep, total, v in zip(episodes, totals, call_reward(fn, completions, columns, timeout, stop_event, per_turn)):
             ep.rewards[reward_name(fn)] = sum(v) if isinstance(v, list) else v
-            for k, x in enumerate(v) if isinstance(v, list) else [(calling_turn(ep) if per_turn else 0, v)]:
+            calling = max(0, (ep.first_result_turn or len(ep.turns)) - 1) if per_turn else 0  # see above
+            for k, x in enumerate(v) if isinstance(v, list) else [(calling, v)]:
                 total[k] += w * x
     return totals if per_turn else [t[0] for t in totals]
 
 
-def calling_turn(ep: Episode) -> int:
-    """The assistant turn that called the first tool (the last turn if none did)."""
-    return max(0, (ep.first_result_turn or len(ep.turns)) - 1)
-
-
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
-# MT-GRPO (Zeng et al. 2025, Eq. 5) gives the turns before the first tool result A_O + lambda A_T, the later turns A_O:
-# credit for two segments. For any number of turns, a turn k needs a baseline that depends only on its state, never on
-# how many turns its own trajectory took: normalising rewards per turn index across the group (verl RFC 7244) subtracts
-# a baseline whose number of terms depends on where the trajectory stopped, a hidden bonus for taking another turn. So
-# `tree` branches: siblings continue from the same tokens, the same state, and the mean of their reward-to-go is an
-# unbiased baseline (leave-one-out: exactly). Without branching, only the prompt is a shared state (reward_to_go).
+# Why not normalise rewards per turn index across the group (verl RFC 7244), for any number of turns: that baseline's
+# number of terms depends on where the trajectory stopped, a hidden bonus for taking another turn. A baseline from the
+# turn's state (see the header) is unbiased: `tree`'s siblings (leave-one-out), or without branching the prompt's.
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
@@ -545,14 +538,14 @@ INDEPENDENT_MODES = set(ADVANTAGE_MODES) - {"tree"}  # modes that take a group's
 
 def roots_per_prompt(cfg: Config) -> int:
     """Episodes started per prompt: G, or with branching G / branch_width^branch_depth (the tree's roots)."""
-    return cfg.num_generations // (cfg.branch_width**cfg.branch_depth if cfg.branch_width > 1 else 1)
+    return cfg.num_generations // cfg.branch_width**cfg.branch_depth
 
 
 def node_weight(node: tuple, cfg: Config) -> float:
     """The leaves a node stands for in a full tree: b^(depth - its branchings). Its tokens, trained once, weigh that
     much, so the loss is the loss of the G root-to-leaf paths in expectation (however many of them a path that stopped
     early left unsampled); without branching, 1."""
-    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node))) if cfg.branch_width > 1 else 1.0
+    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node)))
 
 
 def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
@@ -752,11 +745,8 @@ class MultiTurnToolEnv:
         return DaemonPool(32)
 
     def new_episode(self, row: dict) -> Episode:
-        ep = new_episode(row, self.system_prompt)
-        norm = self.chat.norm  # prompts as the tokenizer reads them
-        ep.messages = [
-            {**m, "content": norm(m["content"])} if isinstance(m.get("content"), str) else m for m in ep.messages
-        ]
+        ep = new_episode(row, self.system_prompt)  # its prompts (text: load_rows checks) as the tokenizer reads them
+        ep.messages = [{**m, "content": self.chat.norm(m["content"])} for m in ep.messages]
         return ep
 
     def next_prompt(self, ep: Episode) -> list[int]:
@@ -933,11 +923,8 @@ def token_logprobs(model, ids, attn, temperature: float):
         return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    next_ids = ids.roll(-1, 1).flatten()  # a row's last token gets a dummy (its first), dropped below
-    lp = [
-        torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False)
-        for x, y in zip(logits.split(n), next_ids.split(n))
-    ]
+    targets = ids.roll(-1, 1).flatten().split(n)  # next tokens; a row's last gets a dummy (its first), dropped below
+    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in zip(logits.split(n), targets)]
     return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
 
 
@@ -1017,9 +1004,8 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         ep.group = i  # the step's groups, numbered anew across draws
     m = {"time/rollout": time.time() - t0}
     if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained: this every episode rolled out
-        outcomes = [r for g in drawn for r in g]
         m.update({"rollout/groups_filtered": len(drawn) - len(kept), "rollout/extra_draws": extra})
-        m["reward/outcome_before_filter"] = float(np.mean(outcomes))
+        m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
     return [ep for g in groups for ep in g], m
 
 
@@ -1080,11 +1066,10 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     records = [r for part in gather_to_rank0(records) for r in part]
     if rank != 0:
         return {}
-    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")  # setup made eval/ (prepare_output_dir)
     with open(out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
-    names = [getattr(fn, "__name__", str(fn)) for fn in reward_fns]
+    names = [reward_name(fn) for fn in reward_fns]
     m = {f"eval/{n}": float(np.mean([r["rewards"][n] for r in records])) for n in names}
     m["eval/answered"] = float(np.mean([r["end_reason"] == "answer" for r in records]))
     print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
@@ -1116,14 +1101,10 @@ def main(argv=None):
             exit_now(0)
     except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
-        print(f"mt-grpo: error{where}: {e}", file=sys.stderr, flush=True)
+        print(f"mt-grpo: error{where}: {e}", file=sys.stderr)  # exit_now flushes
         exit_now(1)
     except KeyboardInterrupt:
-        print(
-            "\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("\nmt-grpo: aborted by a second Ctrl-C, mid-step; saved checkpoints are unaffected", file=sys.stderr)
         exit_now(130)
     except BaseException:
         if dist.is_initialized():  # torchrun stops the other ranks once this one exits: never a hang
@@ -1267,13 +1248,9 @@ class Run:
             raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
-        ok = [
-            i for i, p in enumerate(processed) if math.isfinite(p)
-        ]  # not a token at the edge of the trainer's nucleus
-        srv, raw, processed = ([x[i] for i in ok] for x in (srv, raw, processed))
-        n, to_raw, to_processed = all_reduce(
-            len(srv), *(sum(abs(a - b) for a, b in zip(srv, x)) for x in (raw, processed))
-        )
+        ok = [i for i, p in enumerate(processed) if math.isfinite(p)]  # not at the edge of the trainer's nucleus
+        gaps = [sum(abs(srv[i] - x[i]) for i in ok) for x in (raw, processed)]
+        n, to_raw, to_processed = all_reduce(len(ok), *gaps)
         if to_raw < to_processed / 2:  # clearly closer to the raw ones
             raise SamplerError(
                 f"the vLLM server at {self.sampler.url} returns logprobs at temperature 1 without top-p, not "
@@ -1654,10 +1631,8 @@ class ToolCollapseAlarm:
         )
 
 
-RECORDED = (
-    "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches rewards".split()
-)
-RECORDED += "turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
+RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
+RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
 
 def episode_record(step: int, i: int, group: int, ep: Episode) -> dict:
@@ -1881,10 +1856,9 @@ class VLLMServerClient:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
 
     def request(self, method, path, deadline=None, retry_5xx=True, plain=False, *, server: Server, **kw) -> dict:
-        end = time.monotonic() + (deadline or self.cfg.request_deadline)
-        delay, attempt = 0.5, 0
-        while True:
-            attempt += 1
+        deadline = deadline or self.cfg.request_deadline
+        end, delay = time.monotonic() + deadline, 0.5
+        for attempt in itertools.count(1):
             try:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
@@ -1907,7 +1881,7 @@ class VLLMServerClient:
             if time.monotonic() + delay > end:
                 raise SamplerError(
                     f"the vLLM server at {server.url} gave no usable answer to {method} {path} within "
-                    f"{deadline or self.cfg.request_deadline:.0f}s ({attempt} attempts; last: {last}). Is `vllm serve` "
+                    f"{deadline:.0f}s ({attempt} attempts; last: {last}). Is `vllm serve` "
                     f"running there and healthy (GET {server.url}/health)?"
                 )
             self.stop_event.wait(delay)
@@ -2159,11 +2133,10 @@ class VLLMServerClient:
 
     def unload(self, name: str):
         """Unload a LoRA adapter from every server that is up (one taken back since it was loaded never had it)."""
+        body = {"lora_name": name}
         for s in (s for s in self.servers if s.down_since is None):
             with contextlib.suppress(SamplerError):
-                self.request(
-                    "POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json={"lora_name": name}
-                )
+                self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json=body)
 
     @contextlib.contextmanager
     def weight_update(self, servers: list[Server], version: int, pause: bool = True):
@@ -2258,12 +2231,8 @@ class RolloutProducer:
         m["time/wait_rollout"] = time.time() - t0
         if self.k:  # how many versions before the update each trained token was sampled (the permits keep it <= k)
             ages = [step - v for ep in episodes for s in ep.samples for v, on in zip(s.versions, s.loss_mask) if on]
-            m.update(
-                {
-                    "rollout/staleness_mean": float(np.mean(ages)) if ages else 0.0,
-                    "rollout/staleness_max": max(ages, default=0),
-                }
-            )
+            m["rollout/staleness_mean"] = float(np.mean(ages)) if ages else 0.0
+            m["rollout/staleness_max"] = max(ages, default=0)
         return episodes, m
 
     def advance(self):
@@ -2369,17 +2338,13 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     if not fsdp:
         if dist.is_initialized() and dist.get_rank() != 0:
             return None, None
-        return (
-            {k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains},
-            optimizer.state_dict() if optimizer else None,
-        )
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if not frozen or k in trains}
+        return sd, optimizer.state_dict() if optimizer else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=frozen)
-    return (
-        {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains},
-        get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None,
-    )
+    sd = {k: v for k, v in get_model_state_dict(model, options=opts).items() if not frozen or k in trains}
+    return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
 def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -2495,7 +2460,6 @@ def find_checkpoint(cfg: Config, say=print) -> str | None:
             f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
             f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''"
         )
-    return None
 
 
 def checkpoint_problem(path: str) -> str:
@@ -2562,12 +2526,8 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
     scheduler.base_lrs = [cfg.learning_rate] * len(optimizer.param_groups)
     for g, f in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        g.update(
-            initial_lr=cfg.learning_rate,
-            lr=cfg.learning_rate * f(scheduler.last_epoch),
-            weight_decay=cfg.weight_decay,
-            betas=tuple(cfg.adam_betas),
-        )
+        g.update(initial_lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=tuple(cfg.adam_betas))
+        g["lr"] = cfg.learning_rate * f(scheduler.last_epoch)
     if world == 1:  # rank 0's streams; with several ranks each keeps its own seed
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -2649,9 +2609,8 @@ def in_range(value: float, interval: str) -> bool:
         return True
     if interval[0] in "[(":
         lo, hi = (float(x) for x in interval[1:-1].split(","))
-        return (lo <= value if interval[0] == "[" else lo < value) and (
-            value <= hi if interval[-1] == "]" else value < hi
-        )
+        above = lo <= value if interval[0] == "[" else lo < value
+        return above and (value <= hi if interval[-1] == "]" else value < hi)
     op, bound = interval.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 
@@ -3157,7 +3116,6 @@ class ChatTemplate:
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 rest = gone[len(os.path.commonprefix([gone, text[len(kept) :]])) :]  # what the fresh text lacks
                 return (lp + k, kept) if not rest.strip() else None
-        return None
 
     def check_tokenization(self, ep: Episode) -> int:
         """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
