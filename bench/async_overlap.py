@@ -207,10 +207,9 @@ def speed(a, model, split):
 
 
 def learning(a, model):
-    venv = os.environ.get("MTGRPO_VLLM_VENV", os.path.expanduser("~/.cache/mt-grpo/vllm-cpu"))
     port = M.free_port()
     url = f"http://127.0.0.1:{port}"
-    env_cmd = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}", f"MTGRPO_VLLM_VENV={venv}"]
+    env_cmd = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}"]  # run.sh finds the vLLM CPU build's venv
     t = time.time()
     rows = []
     with served([*env_cmd, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}"], url, 1200):

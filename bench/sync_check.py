@@ -79,10 +79,9 @@ def main():
     cfg = M.load_config(RECIPE, [f"output_dir={a.out}/build"])
     M.build_model_if_missing(cfg, print)
     model = os.path.abspath(cfg.model_name_or_path)
-    venv = os.environ.get("MTGRPO_VLLM_VENV", os.path.expanduser("~/.cache/mt-grpo/vllm-cpu"))
     port = M.free_port()
     url = f"http://127.0.0.1:{port}"
-    env = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}", f"MTGRPO_VLLM_VENV={venv}"]
+    env = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}"]  # run.sh finds the vLLM CPU build's venv
     rows, t = [], time.time()
     serve = [*env, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}", f"lora_rank={a.lora}"]
     with served([*serve, f"max_staleness={max(a.staleness)}"], url, 1200):  # LoRA: room for the adapters in flight
@@ -107,7 +106,7 @@ def main():
         judged = [m for m in hist if "sync/probe_follow" in m]
         ch, gap = [m["sync/probe_change"] for m in hist], [m["sync/probe_logprob_diff"] for m in hist]
         said = stopped if isinstance(stopped, str) else ""  # a run that did not stop returns its metrics
-        found = re.search(r"after step (\d+):.* the server's on (\d+%) of its tokens", said)
+        found = re.search(r"after step (\d+) on \S+: .* the server's on (\d+%) of its tokens", said)
         print(
             f"| {lr:g} | {k} | {span(gap)} | {span(ch)} | {span(np.divide(ch, gap), '{:.2f}')} | "
             f"{len(judged)}/{len(hist)} | {span([m['sync/probe_follow'] for m in judged], '{:.2f}') if judged else '-'} | "
