@@ -15,29 +15,27 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = "hf_recipes/toy/toy-chain--mt-grpo.yaml"
-HOP = "turn_reward_funcs=[rewards/toy_chain_reward.py:hop_reward]"
-RUNS = {
-    "independent (8 episodes a prompt)": ["advantage_mode=reward_to_go", HOP],
-    "tree (b 2, depth 3, 32 leaves)": [
-        "advantage_mode=tree",
-        HOP,
-        "branch_width=2",
-        "branch_depth=3",
-        "num_generations=32",
-    ],
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from async_overlap import started  # noqa: E402
+from turn_credit import METHODS, RECIPE  # noqa: E402
+
+RUNS = {  # the two runs as bench/turn_credit.py defines them
+    "independent (8 episodes a prompt)": METHODS["reward_to_go"][1],
+    "tree (b 2, depth 3, 32 leaves)": METHODS["tree"][1],
 }
 
 
 def run(name: str, overrides: list[str], steps: int) -> list[dict]:
     out = os.path.join(ROOT, "bench", "runs", "branching-server", name.split()[0])
-    env = {**os.environ, "MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_LOG": f"{out}.vllm.log"}
+    env = {"MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_LOG": f"{out}.vllm.log"}
     args = [f"max_steps={steps}", f"output_dir={out}", "log_episodes_steps=0", "eval_steps=0", "save_steps=0"]
     print(f"[bench] {name} ...", flush=True)
-    subprocess.run(["bash", "run.sh", RECIPE, *args, *overrides], cwd=ROOT, env=env, check=True)
+    with started(["bash", "run.sh", RECIPE, *args, *overrides], env) as p:  # its process groups stop however it ends
+        if p.wait():
+            sys.exit(f"run {out} failed (exit {p.returncode}); its vLLM log: {out}.vllm.log")
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
