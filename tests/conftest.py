@@ -168,6 +168,32 @@ def vllm_cpu_venv():
     )
 
 
+def server_layout_env(port: int, log, **extra: str) -> dict:
+    """The environment of `MTGRPO_LAYOUT=server bash run.sh`: vLLM's CPU build on `port`, its output in `log`."""
+    return {
+        **os.environ,
+        "MTGRPO_LAYOUT": "server",
+        "MTGRPO_VLLM_PORT": str(port),
+        "MTGRPO_VLLM_LOG": str(log),
+        "MTGRPO_VLLM_VENV": vllm_cpu_venv(),
+        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+        "MTGRPO_REQUIREMENTS": "requirements.txt",
+        **extra,
+    }
+
+
+def vllm_api_process(port) -> int:
+    """The pid of the vLLM API server that listens on `port`: found by its --port, not run.sh's watcher of its
+    process group (a bash whose arguments hold the same command)."""
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+            if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+                if not argv[0].endswith(b"bash"):
+                    return int(d)
+    raise AssertionError(f"no vLLM server process with --port {port}")
+
+
 def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
     """`bash run.sh serve`: run.sh's own launch code starts vLLM's CPU build, in the foreground. With `vllm_flags`,
     the CPU build itself with those flags instead (a server started by hand, not by run.sh), its output in `log`."""
@@ -183,15 +209,7 @@ def start_real_server(model_dir, log, *overrides, timeout=900, vllm_flags=None):
             pytrace=False,
         )
     port = M.free_port()
-    env = {
-        **os.environ,
-        "MTGRPO_LAYOUT": "server",
-        "MTGRPO_VLLM_PORT": str(port),
-        "MTGRPO_VLLM_LOG": str(log),
-        "MTGRPO_VLLM_VENV": venv,
-        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-        "MTGRPO_REQUIREMENTS": "requirements.txt",
-    }
+    env = server_layout_env(port, log)
     cmd = [
         "bash",
         "run.sh",

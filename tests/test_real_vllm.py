@@ -4,7 +4,6 @@ clamp, cache_salt, greedy eval, and a 3-step LoRA training run through `MTGRPO_L
 
 The server serves the warm-started toy model; tests that need known weights on it sync them first."""
 
-import contextlib
 import json
 import os
 import socket
@@ -18,7 +17,15 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from conftest import ROOT, moving_run, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
+from conftest import (
+    ROOT,
+    moving_run,
+    recipe_cfg,
+    server_layout_env,
+    start_real_server,
+    stop_real_server,
+    vllm_api_process,
+)
 from tasks import toy_kv
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
@@ -406,15 +413,7 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
     a new name (never a full reload: that path is the session server's, above), requests sample from it, the probe
     check holds, and the run unloads its adapters at the end."""
     port = M.free_port()
-    env = {
-        **os.environ,
-        "MTGRPO_LAYOUT": "server",
-        "MTGRPO_VLLM_PORT": str(port),
-        "MTGRPO_VLLM_LOG": str(tmp_path / "vllm.log"),
-        "MTGRPO_VLLM_VENV": vllm_cpu_venv(),
-        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-        "MTGRPO_REQUIREMENTS": "requirements.txt",
-    }
+    env = server_layout_env(port, tmp_path / "vllm.log")
     r = subprocess.run(
         [
             "bash",
@@ -465,17 +464,7 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
 def two_servers(toy_model_dir, tmp_path_factory):
     """Two vLLM CPU servers of the warm-started toy model, 1 GB of KV cache each, from one `bash run.sh serve`."""
     logs, port = tmp_path_factory.mktemp("two"), M.free_port()
-    env = {
-        **os.environ,
-        "MTGRPO_LAYOUT": "server",
-        "MTGRPO_VLLM_CPU_SERVERS": "2",
-        "MTGRPO_VLLM_CPU_KVCACHE_GB": "1",
-        "MTGRPO_VLLM_PORT": str(port),
-        "MTGRPO_VLLM_LOG": str(logs / "vllm.log"),
-        "MTGRPO_VLLM_VENV": vllm_cpu_venv(),
-        "MTGRPO_VENV": os.path.dirname(os.path.dirname(sys.executable)),
-        "MTGRPO_REQUIREMENTS": "requirements.txt",
-    }
+    env = server_layout_env(port, logs / "vllm.log", MTGRPO_VLLM_CPU_SERVERS="2", MTGRPO_VLLM_CPU_KVCACHE_GB="1")
     cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={toy_model_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -562,7 +551,9 @@ def test_killing_one_real_server_mid_run_leaves_the_run_finishing_on_the_other(t
         and len(metrics.read_text().splitlines() if metrics.exists() else []) < 2
     ):
         time.sleep(0.2)
-    os.killpg(server_group(urls[1]), signal.SIGKILL)  # the second server's API process, EngineCore and all
+    os.killpg(
+        os.getpgid(vllm_api_process(urls[1].rsplit(":", 1)[1])), signal.SIGKILL
+    )  # the second server's API process, EngineCore and all
     out, err = trainer.communicate(timeout=600)
     assert trainer.returncode == 0, err[-3000:]
     hist = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -571,17 +562,6 @@ def test_killing_one_real_server_mid_run_leaves_the_run_finishing_on_the_other(t
     after = [m for m in hist if m["rollout/servers_up"] == 1]  # from the step it was found down in
     assert len(after) >= 2 and all(m["rollout/server0_request_share"] == 1 for m in after[1:]), hist
     assert all(m["sync/servers_checked"] == 1 for m in after), "a server found down is not synced"
-
-
-def server_group(url):
-    """The process group of the vLLM API server listening on `url`'s port (run.sh starts each in one of its own)."""
-    port = url.rsplit(":", 1)[1].encode()
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{d}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port and b"vllm.entrypoints" in b" ".join(argv):
-                return os.getpgid(int(d))
-    raise AssertionError(f"no vLLM server process on port {port}")
 
 
 # --- the stand-in answers as the real server does: the same battery of requests against both ---------

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import mt_grpo_trainer as M
+from conftest import vllm_api_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -333,26 +334,12 @@ def group_of(pgid: int, wait: float = 0) -> list[int]:
 def vllm_group(server) -> tuple[int, int]:
     """The API server run.sh started (found by the test's unique port) and its process group, checked to hold more
     than the API server (vLLM's EngineCore), so that the test below proves something."""
-    port = server.url.rsplit(":", 1)[1]
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"--port" in argv
-            and argv[argv.index(b"--port") + 1] == port.encode()
-            and int(d) != server.proc.pid
-            and not argv[0].endswith(b"bash")
-        ):  # not run.sh's watcher of the server's group
-            pgid = os.getpgid(int(d))
-            deadline = time.time() + 30
-            while len(group_of(pgid)) < 2 and time.time() < deadline:
-                time.sleep(0.5)
-            assert len(group_of(pgid)) >= 2, "the server started no EngineCore process"
-            return int(d), pgid
-    raise AssertionError(f"no vLLM server process with --port {port}")
+    api = vllm_api_process(server.url.rsplit(":", 1)[1])
+    pgid, deadline = os.getpgid(api), time.time() + 30
+    while len(group_of(pgid)) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert len(group_of(pgid)) >= 2, "the server started no EngineCore process"
+    return api, pgid
 
 
 def test_run_sh_stops_the_whole_vllm_server_on_sigterm_and_when_the_server_dies(tiny_model_dir, tmp_path):
