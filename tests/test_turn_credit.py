@@ -123,7 +123,7 @@ def test_a_branching_rollout_samples_the_shared_prefix_once_and_trains_each_samp
     token ids; every token the sampler returned is trained (mask 1) in exactly one episode, at one place."""
     env = make_env(tok, tmp_path, "num_generations=8", "branch_width=2", "branch_depth=2", "advantage_mode=tree")
     script = [tool_call("k1"), tool_call("k2"), "<reasoning>r</reasoning>\n<answer>v</answer>"]
-    sampler = BySampleCount(tok, script)
+    sampler = ByTurn(tok, [tok.encode(t, add_special_tokens=False) for t in script], "<|im_start|>assistant")
     eps = env.rollout([{"prompt": "What is k1?", "key": "k1", "answer": "v"}] * 2, sampler)
     assert [ep.node for ep in eps] == sorted((i, j, k) for i in range(2) for j in range(2) for k in range(2))
     assert all(ep.group == 0 and len(ep.turns) == 3 for ep in eps)
@@ -142,20 +142,6 @@ def test_a_branching_rollout_samples_the_shared_prefix_once_and_trains_each_samp
     assert sum(first.loss_mask) > sum(second.loss_mask) and eps[1].shared_tokens == sum(first.loss_mask[:cut])
     m = M.rollout_metrics(eps)
     assert m["rollout/paths_per_prompt"] == 8 and m["rollout/branch_points_per_prompt"] == 2 + 4
-
-
-class BySampleCount(ScriptedSampler):
-    """Scripted turns by the number of assistant turns the prompt already holds, so that every path follows it."""
-
-    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
-        outs = []
-        for p in prompts:
-            turn = self.tok.decode(p).count("<reasoning>")
-            ids = self.tok.encode(self.script[turn], add_special_tokens=False)
-            self.prompts.append(list(p))
-            self.sent.append(ids)
-            outs.append(M.Completion(ids, [-0.1] * len(ids), "stop"))
-        return outs
 
 
 class ByTurn(ScriptedSampler):
