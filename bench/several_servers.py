@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 
-import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -106,17 +105,6 @@ def real_servers(model, n):
         yield urls
 
 
-def prefix_counts(urls):
-    """Prefix-cache queries and hits (prompt tokens) summed over the servers, from their GET /metrics."""
-    total = [0.0, 0.0]
-    for url in urls:
-        for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-            for i, k in enumerate(("queries", "hits")):
-                if line.startswith(f"vllm:prefix_cache_{k}_total"):
-                    total[i] += float(line.split()[-1])
-    return total
-
-
 def conversations(client, prompts, turns, result, affinity):
     """Each prompt a conversation of `turns` turns, all in flight at once, each turn's prompt the last one plus its
     completion and a tool result, as an episode's turns are; with `affinity` each is a session of its own."""
@@ -147,13 +135,13 @@ def real(a, model):
                 client = cls(cfg, len(tok), {tok.eos_token_id})
                 rows = lambda: [r for r in take(8) for _ in range(8)]
                 env.rollout(rows(), client)  # warm-up: the servers' first requests compile
-                took = []
-                for _ in range(a.rollouts if kind == "affinity" else 0):
-                    t = time.perf_counter()
-                    eps = env.rollout(rows(), client)
-                    took.append(time.perf_counter() - t)
+                if kind == "affinity":  # throughput: the client as the trainer uses it
+                    took = []
+                    for _ in range(a.rollouts):
+                        t = time.perf_counter()
+                        eps = env.rollout(rows(), client)
+                        took.append(time.perf_counter() - t)
                     turns = sum(len(ep.turns) for ep in eps) / len(eps)
-                if took:
                     rates[n] = 64 / statistics.median(took)
                     print(
                         f"  {n} server(s): {rates[n]:.1f} episodes/s (median of {a.rollouts} rollouts, "
@@ -161,10 +149,9 @@ def real(a, model):
                         flush=True,
                     )
                 prompts = [env.next_prompt(env.new_episode(r)) for r in take(64)]
-                before = prefix_counts(urls)
+                client.stats()  # the servers' counters from here (their GET /metrics)
                 conversations(client, prompts, 4, result, kind == "affinity")
-                after = prefix_counts(urls)
-                hits[n, kind] = (after[1] - before[1]) / max(after[0] - before[0], 1)
+                hits[n, kind] = client.stats().get("rollout/prefix_cache_hit_rate", 0.0)
                 print(f"  {n} server(s), {kind}: prefix-cache hit rate {hits[n, kind]:.3f}", flush=True)
     print(f"\nreal vLLM CPU build, toy model, {os.cpu_count()} CPU cores: rollouts of 64 episodes (8 prompts x 8);")
     print("64 conversations of 4 turns (16 sampled tokens and a tool result each), from the servers' GET /metrics\n")
