@@ -145,8 +145,9 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
   elif [ -n "${MTGRPO_VLLM_LOG:-}" ]; then log=${MTGRPO_VLLM_LOG%.log}-$port.log
   else log=vllm-$port.log; fi
   mkdir -p "$(dirname "$log")"
-  local url=http://${HOST/#0.0.0.0/127.0.0.1}:$port
-  if (exec 3<>"/dev/tcp/${HOST/#0.0.0.0/127.0.0.1}/$port") 2>/dev/null; then   # something listens there: a busy server may answer /health late
+  local addr=${HOST/#0.0.0.0/127.0.0.1}   # where this node reaches it
+  local url=http://$addr:$port
+  if (exec 3<>"/dev/tcp/$addr/$port") 2>/dev/null; then   # something listens there: a busy server may answer /health late
     echo "[run.sh] error: a server already answers on port $port. Use it with --server-url $url," \
          "or set MTGRPO_VLLM_PORT to a free port." >&2; exit 1
   fi
