@@ -336,11 +336,11 @@ def test_per_turn_rewards_credit_the_search_that_found_the_answer(evidence):
     retrieval reward, which the episode-level reward, reading the first result only, never sees."""
     row = evidence["tc_9"]  # Which city does David Soul come from? Chicago
     queries = ["Arthur Balfour Conservative leader", row["prompt"], "David Soul"]
-    ep = []
-    for q in queries:
-        ep += [{"role": "assistant", "content": call(q)}, result(W.wiki_search(q))]
+    ep, searched = [], [W.wiki_search(q) for q in queries]
+    for q, out in zip(queries, searched):
+        ep += [{"role": "assistant", "content": call(q)}, result(out)]
     ep.append(answer(row["answer"]))
-    found = [R.holds_answer(W.wiki_search(q), R.gold_lists([row["aliases"]], None, 1)[0]) for q in queries]
+    found = [R.holds_answer(out, R.gold_lists([row["aliases"]], None, 1)[0]) for out in searched]
     assert found == [False, True, True]  # the fixture's data: the miss and the hits are real
     aliases = [row["aliases"]]
     assert R.retrieval_turn_reward([ep], aliases=aliases) == [[0.0, 0.3, 0.0, 0.0]]  # the first hit only
