@@ -55,6 +55,17 @@ def cpu_peak_mb(step):
     return max(itertools.accumulate((e.nbytes() for e in events), initial=0)) / 2**20
 
 
+def loss_step(model, fn, batch: dict, cfg, device):
+    """What train_on_samples runs per micro-batch, with `fn` computing the token logprobs: forward under the
+    trainer's mixed precision, grpo_loss (token_mean, on-policy) and backward. Returns the logprobs."""
+    with M.autocast(cfg, device):
+        logp = fn(model, batch["ids"], batch["attn"], cfg.temperature)
+    mask, n = batch["mask"], batch["mask"].sum()
+    loss, _ = M.grpo_loss(logp, logp.detach(), logp.detach(), batch["adv"], mask, cfg, n, len(mask), mask.sum(1))
+    loss.backward()
+    return logp.detach()
+
+
 def one_case(variant, T, B, layers, precision):
     """One train step in this process; returns the most memory it had allocated at once, in MB."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,24 +78,13 @@ def one_case(variant, T, B, layers, precision):
         ["mixed_precision=" + {"fp32": "no", "bf16": "bf16"}[precision], f"output_dir={ROOT}/outputs/bench-unused"],
     )
     ids = torch.randint(0, SMOLLM2_135M["vocab_size"], (B, T), device=device)
-    mask, adv = torch.ones_like(ids), torch.randn(B, T, device=device)
+    batch = dict(
+        ids=ids, attn=torch.ones_like(ids), mask=torch.ones(B, T, device=device), adv=torch.randn(B, T, device=device)
+    )
     fn = direct_logprobs if variant == "before" else M.token_logprobs
 
     def step():
-        with M.autocast(cfg, device):
-            logp = fn(model, ids, mask, cfg.temperature)
-        loss, _ = M.grpo_loss(
-            logp,
-            logp.detach(),
-            adv,
-            mask,
-            epsilon=0.2,
-            epsilon_high=0.2,
-            aggregation="token_mean",
-            num_tokens=int(mask.sum()),
-            num_seqs=B,
-        )
-        loss.backward()
+        loss_step(model, fn, batch, cfg, device)
 
     if device.type != "cuda":
         return cpu_peak_mb(step)

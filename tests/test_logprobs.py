@@ -2,6 +2,8 @@
 what autograd keeps for backward."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -114,3 +116,14 @@ def test_no_full_float32_log_softmax_is_kept_for_backward(monkeypatch):
             assert biggest >= 2 * 32 * 503  # the check sees the direct version's tensor
         else:
             assert biggest <= 8 * 503
+
+
+def test_the_memory_benches_run_one_train_step_of_each_computation():
+    """bench/logprob_memory.py (and bench/gpu_step.py, through its loss_step) call the trainer's loss as a train step
+    does: they keep working as its API changes, and each measured step holds at least the [B, T, vocab] logits."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import logprob_memory
+
+    peaks = [logprob_memory.one_case(variant, 64, 2, 1, "fp32") for variant in ("before", "after")]
+    logits_mb = 2 * 64 * logprob_memory.SMOLLM2_135M["vocab_size"] * 4 / 2**20
+    assert min(peaks) > logits_mb, peaks

@@ -1,0 +1,198 @@
+"""One train step of a Qwen3-1.7B-shaped model on a GPU: tokens/s, MFU and peak memory, full fine-tuning and LoRA,
+each with bf16 autocast, gradient checkpointing and FSDP2 on one rank; and token_logprobs' float32 chunks against the
+direct [B, T, vocab] log-softmax: peak memory, time and the largest difference between them.
+
+    python bench/gpu_step.py [--tokenizer DIR] [--layers 28] [--seq 2048] [--samples 16] [--mb-tokens 16384]
+
+The model is random-initialised with Qwen3-1.7B's config (hidden 2048, 16 heads, 8 KV heads, intermediate 6144,
+vocabulary 151936, tied embeddings), saved as a local model folder (bf16 safetensors and the tokenizer) and loaded by
+the trainer's load_models, as a run loads model_name_or_path. Each case runs in a fresh process. A step is
+train_on_samples on --samples random sequences of --seq tokens (the first half prompt, the second trained, advantages
++-1), beta 0, one iteration, micro-batches of --mb-tokens. MFU counts model FLOPs per token, the recomputation of
+gradient checkpointing not included: 6N + 12*layers*hidden*seq for full fine-tuning, 4N + 8*layers*hidden*seq with
+LoRA (no weight gradients for the frozen base), N the parameters (the tied head counted once), over --peak-tflops
+(989, the H100's dense bf16). Peak memory is torch.cuda.max_memory_allocated over the timed steps.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import mt_grpo_trainer as M  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from logprob_memory import loss_step  # noqa: E402
+from tests.test_logprobs import direct_logprobs  # noqa: E402   the baseline: the direct computation
+
+QWEN3_1_7B = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+)
+
+
+def build(args, folder):
+    """The random-initialised model, saved as a run finds a local model folder; returns its parameter count."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=args.layers, **QWEN3_1_7B))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the cases' processes get the whole GPU
+    return params
+
+
+def samples(args, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    half, out = args.seq // 2, []
+    for i in range(args.samples):
+        ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (args.seq,), generator=g).tolist()
+        mask = [0] * half + [1] * (args.seq - half)
+        adv = [m * (1.0 if i % 2 else -1.0) for m in mask]
+        out.append(M.Sample(ids, mask, [-1.0 * m for m in mask], [0 if m else -1 for m in mask], adv))
+    return out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def train_case(args, lora: int, checkpointing: bool = True) -> dict:
+    """Warm-up step (AdamW's state is made), then --steps timed ones."""
+    cfg = M.load_config(
+        None,
+        [
+            f"model_name_or_path={args.model}",
+            f"output_dir={args.model}-out",
+            "fsdp=true",
+            f"gradient_checkpointing={str(checkpointing).lower()}",
+            "mixed_precision=bf16",
+            f"lora_rank={lora}",
+            "beta=0",
+            "num_iterations=1",
+            f"max_tokens_per_microbatch={args.mb_tokens}",
+        ],
+    )
+    _, _, device = M.init_distributed(cfg)
+    tok, model, ref_model, policy, opt, sched = M.load_models(cfg, args.model, device)
+    batch, pad = samples(args), tok.pad_token_id or 0
+    M.train_on_samples(policy, ref_model, opt, sched, batch, cfg, pad)
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        m = M.train_on_samples(policy, ref_model, opt, sched, batch, cfg, pad)
+    sync()
+    dt = (time.perf_counter() - t0) / args.steps
+    tokens = args.samples * args.seq
+    per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * 2048 * args.seq
+    return dict(
+        case=(f"lora r{lora}" if lora else "full") + ("" if checkpointing else ", no checkpointing"),
+        step_s=round(dt, 3),
+        tokens_per_s=round(tokens / dt),
+        mfu=round(per_token * tokens / dt / (args.peak_tflops * 1e12), 3),
+        peak_gib=round(peak_gib(), 2),
+        micro_batches=m["train/micro_batches"],
+        grad_norm=float(f"{m['loss/grad_norm']:.4g}"),
+    )
+
+
+def logprob_case(args) -> dict:
+    """One micro-batch's forward, loss and backward with each computation (bf16 autocast, gradient checkpointing),
+    and how far apart their logprobs are."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = M.load_config(None, ["mixed_precision=bf16", f"output_dir={args.model}-out"])
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mb = M.collate(samples(args)[: max(1, args.mb_tokens // args.seq)], 0, device)
+    out, logps = {}, {}
+    for name, fn in (("warm-up", M.token_logprobs), ("chunked", M.token_logprobs), ("direct", direct_logprobs)):
+        model.zero_grad(set_to_none=True)
+        sync()
+        before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        logps[name] = loss_step(model, fn, mb, cfg, device)
+        sync()
+        out[name] = dict(s=round(time.perf_counter() - t0, 3), peak_over_weights_gib=round(peak_gib() - before, 2))
+    out.pop("warm-up")  # the first pass pays for CUDA's and the kernels' start
+    trained = mb["mask"] > 0
+    diff = (logps["chunked"] - logps["direct"])[trained].abs()
+    return dict(case="logprobs", **out, max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokenizer", default=os.path.join(ROOT, "..", "shared", "fixtures", "qwen3_tokenizer"))
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--mb-tokens", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    cases = ["full", "lora", "full,no-gc", "lora,no-gc", "logprobs"]
+    p.add_argument("--cases", nargs="+", default=["full", "lora", "logprobs"], choices=cases)
+    p.add_argument("--out", default="", help="also write the results here, as JSON")
+    p.add_argument("--case", default="", help=argparse.SUPPRESS)  # the child process: one case
+    p.add_argument("--model", default="", help=argparse.SUPPRESS)
+    p.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case:  # one case, in its own process
+        kind, _, no_gc = args.case.partition(",")
+        lora = args.lora_rank if kind == "lora" else 0
+        r = logprob_case(args) if kind == "logprobs" else train_case(args, lora, checkpointing=not no_gc)
+        return print("RESULT " + json.dumps(r), flush=True)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "qwen3-1.7b-shaped")
+        t0 = time.time()
+        params = build(args, folder)
+        print(f"[bench] {name}: built {params / 1e9:.3f}B params, {args.layers} layers, in {time.time() - t0:.0f} s")
+        results = dict(device=name, torch=torch.__version__, params=params, args={k: v for k, v in vars(args).items()})
+        for case in args.cases:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--case", case, "--model", folder, "--params", str(params)]
+            t0 = time.time()
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+            if r.returncode or not line:  # said, and the other cases still run
+                print(f"[bench] case {case} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+            results[case] = json.loads(line[-1][7:]) if line else dict(case=case, error=r.stderr[-2000:])
+            print(f"[bench] {json.dumps(results[case])} ({time.time() - t0:.0f} s with loading)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    sys.exit(any("error" in r for r in results.values() if isinstance(r, dict)))
+
+
+if __name__ == "__main__":
+    main()
