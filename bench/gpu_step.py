@@ -3,6 +3,7 @@ each with bf16 autocast, gradient checkpointing and FSDP2 on one rank; and token
 direct [B, T, vocab] log-softmax: peak memory, time and the largest difference between them.
 
     python bench/gpu_step.py [--tokenizer DIR] [--layers 28] [--seq 2048] [--samples 16] [--mb-tokens 16384]
+        [--cases full lora logprobs] (also full,no-gc and lora,no-gc: without gradient checkpointing)
 
 The model is random-initialised with Qwen3-1.7B's config (hidden 2048, 16 heads, 8 KV heads, intermediate 6144,
 vocabulary 151936, tied embeddings), saved as a local model folder (bf16 safetensors and the tokenizer) and loaded by
@@ -111,7 +112,9 @@ def train_case(args, lora: int, checkpointing: bool = True) -> dict:
     sync()
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.samples * args.seq
-    per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * 2048 * args.seq
+    per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * QWEN3_1_7B[
+        "hidden_size"
+    ] * args.seq
     return dict(
         case=(f"lora r{lora}" if lora else "full") + ("" if checkpointing else ", no checkpointing"),
         step_s=round(dt, 3),
