@@ -842,9 +842,8 @@ class MultiTurnToolEnv:
             try:
                 # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
                 # arrives while we wait is raised here, in the main thread, and stops the run.
-                err = fut if isinstance(fut, Exception) else call_exception(fut, self.cfg.tool_timeout)
+                err = fut if isinstance(fut, Exception) else self.pool.wait(fut, self.cfg.tool_timeout)
             except concurrent.futures.TimeoutError:
-                self.pool.add_worker()  # that worker is stuck in the tool: abandon it, keep the pool's size
                 err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
             out = None if err else fut.result()
             if err or out is None:
@@ -2852,22 +2851,24 @@ class DaemonPool:
         self.jobs.put((fn, kwargs, fut))
         return fut
 
-
-def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
-    """A pool call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
-    took it (time queued behind other calls does not count); Stopped as soon as `stop_event` is set."""
-    while True:
-        started = getattr(fut, "started", None)
-        left = math.inf if started is None else started + timeout - time.monotonic()
-        try:
-            return fut.exception(timeout=max(0.0, min(left, 0.05)))
-        except concurrent.futures.TimeoutError:
-            if left <= 0.05:
-                raise
-            if stop_event is not None and stop_event.is_set():
-                raise Stopped(
-                    "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
-                ) from None
+    def wait(self, fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
+        """A call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
+        took it (time queued behind other calls does not count); Stopped as soon as `stop_event` is set. Either way
+        its worker may never come back: it is abandoned, and a fresh one keeps the pool's size."""
+        while True:
+            started = getattr(fut, "started", None)
+            left = math.inf if started is None else started + timeout - time.monotonic()
+            try:
+                return fut.exception(timeout=max(0.0, min(left, 0.05)))
+            except concurrent.futures.TimeoutError:
+                if left <= 0.05:
+                    self.add_worker()
+                    raise
+                if stop_event is not None and stop_event.is_set():
+                    self.add_worker()
+                    raise Stopped(
+                        "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
+                    ) from None
 
 
 def tool_schema(fn) -> dict:
@@ -2890,10 +2891,7 @@ def tool_schema(fn) -> dict:
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
-    lines = [
-        f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
-        for t in tools
-    ]  # name, signature, first paragraph of the docstring
+    lines = [f"- {t.__name__}{inspect.signature(t)}: {tool_schema(t)['function']['description']}" for t in tools]
     return cfg.system_prompt.replace("{tools}", "\n".join(lines))
 
 
@@ -2927,11 +2925,8 @@ def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event
     own, cols = copy.deepcopy((completions, columns))
     fut = reward_pool().submit(functools.partial(fn, own, **cols))
     try:
-        err = call_exception(fut, timeout, stop_event)
-    except (concurrent.futures.TimeoutError, Stopped) as e:
-        reward_pool().add_worker()  # that worker may never come back: abandon it, keep the pool's size
-        if isinstance(e, Stopped):
-            raise
+        err = reward_pool().wait(fut, timeout, stop_event)
+    except concurrent.futures.TimeoutError:
         raise RewardError(f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected")
     if err:  # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
         hint = "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
