@@ -2396,12 +2396,10 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
 
 
 def lr_lambda(cfg: Config):
-    total = max(1, cfg.max_steps * cfg.num_iterations)
-
-    def f(step):
+    def f(step):  # step counts optimizer updates, num_iterations a train step
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps * cfg.num_iterations - cfg.warmup_steps)
         return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
 
     return f
