@@ -2968,8 +2968,7 @@ BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full
 
 class ChatTemplate:
     """The environment's side of the chat template: the conversation's text under thinking_retention (I5), each
-    sample's held text beside its ids, the bridge (a tool boundary's prompt without a full rendering), REALIGN's cut
-    point, and the episode-end tokenization check."""
+    sample's held text beside its ids, the bridge, REALIGN's cut point, and the episode-end tokenization check."""
 
     def __init__(self, tokenizer, fmt, cfg: Config):
         self.tok, self.fmt, self.cfg = tokenizer, fmt, cfg
