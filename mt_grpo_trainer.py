@@ -2825,7 +2825,7 @@ def autocast(cfg: Config, device: torch.device):
 
 class DaemonPool:
     """Worker threads for tool calls, reward functions and server requests. Daemons: a call that never returns is
-    abandoned with its worker (its caller adds a fresh one), and none can keep the process from exiting."""
+    abandoned with its worker (`wait` adds a fresh one), and none can keep the process from exiting."""
 
     def __init__(self, size: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
