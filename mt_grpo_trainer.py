@@ -842,9 +842,8 @@ class MultiTurnToolEnv:
             try:
                 # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
                 # arrives while we wait is raised here, in the main thread, and stops the run.
-                err = fut if isinstance(fut, Exception) else call_exception(fut, self.cfg.tool_timeout)
+                err = fut if isinstance(fut, Exception) else self.pool.wait(fut, self.cfg.tool_timeout)
             except concurrent.futures.TimeoutError:
-                self.pool.add_worker()  # that worker is stuck in the tool: abandon it, keep the pool's size
                 err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
             out = None if err else fut.result()
             if err or out is None:
@@ -2397,12 +2396,10 @@ def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, p
 
 
 def lr_lambda(cfg: Config):
-    total = max(1, cfg.max_steps * cfg.num_iterations)
-
-    def f(step):
+    def f(step):  # step counts optimizer updates, num_iterations a train step
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps * cfg.num_iterations - cfg.warmup_steps)
         return {"constant": 1.0, "linear": 1.0 - frac, "cosine": 0.5 * (1 + math.cos(math.pi * frac))}[cfg.lr_scheduler]
 
     return f
@@ -2828,7 +2825,7 @@ def autocast(cfg: Config, device: torch.device):
 
 class DaemonPool:
     """Worker threads for tool calls, reward functions and server requests. Daemons: a call that never returns is
-    abandoned with its worker (its caller adds a fresh one), and none can keep the process from exiting."""
+    abandoned with its worker (`wait` adds a fresh one), and none can keep the process from exiting."""
 
     def __init__(self, size: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -2852,22 +2849,24 @@ class DaemonPool:
         self.jobs.put((fn, kwargs, fut))
         return fut
 
-
-def call_exception(fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
-    """A pool call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
-    took it (time queued behind other calls does not count); Stopped as soon as `stop_event` is set."""
-    while True:
-        started = getattr(fut, "started", None)
-        left = math.inf if started is None else started + timeout - time.monotonic()
-        try:
-            return fut.exception(timeout=max(0.0, min(left, 0.05)))
-        except concurrent.futures.TimeoutError:
-            if left <= 0.05:
-                raise
-            if stop_event is not None and stop_event.is_set():
-                raise Stopped(
-                    "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
-                ) from None
+    def wait(self, fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
+        """A call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
+        took it (time queued behind other calls does not count); Stopped as soon as `stop_event` is set. Either way
+        its worker may never come back: it is abandoned, and a fresh one keeps the pool's size."""
+        while True:
+            started = getattr(fut, "started", None)
+            left = math.inf if started is None else started + timeout - time.monotonic()
+            try:
+                return fut.exception(timeout=max(0.0, min(left, 0.05)))
+            except concurrent.futures.TimeoutError:
+                if left <= 0.05:
+                    self.add_worker()
+                    raise
+                if stop_event is not None and stop_event.is_set():
+                    self.add_worker()
+                    raise Stopped(
+                        "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
+                    ) from None
 
 
 def tool_schema(fn) -> dict:
@@ -2890,10 +2889,7 @@ def tool_schema(fn) -> dict:
 
 
 def system_prompt_for(cfg: Config, tools: list) -> str:
-    lines = [
-        f"- {t.__name__}{inspect.signature(t)}: " + (inspect.getdoc(t) or "").split("\n\n")[0].replace("\n", " ")
-        for t in tools
-    ]  # name, signature, first paragraph of the docstring
+    lines = [f"- {t.__name__}{inspect.signature(t)}: {tool_schema(t)['function']['description']}" for t in tools]
     return cfg.system_prompt.replace("{tools}", "\n".join(lines))
 
 
@@ -2927,11 +2923,8 @@ def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event
     own, cols = copy.deepcopy((completions, columns))
     fut = reward_pool().submit(functools.partial(fn, own, **cols))
     try:
-        err = call_exception(fut, timeout, stop_event)
-    except (concurrent.futures.TimeoutError, Stopped) as e:
-        reward_pool().add_worker()  # that worker may never come back: abandon it, keep the pool's size
-        if isinstance(e, Stopped):
-            raise
+        err = reward_pool().wait(fut, timeout, stop_event)
+    except concurrent.futures.TimeoutError:
         raise RewardError(f"{where} did not return within reward_timeout={timeout}s; saved checkpoints are unaffected")
     if err:  # a reward function runs in a worker thread, where signal-based timeouts (math_verify's) cannot work
         hint = "; it runs in a worker thread: turn off its signal-based timeout" if "main thread" in str(err) else ""
@@ -2975,8 +2968,7 @@ BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full
 
 class ChatTemplate:
     """The environment's side of the chat template: the conversation's text under thinking_retention (I5), each
-    sample's held text beside its ids, the bridge (a tool boundary's prompt without a full rendering), REALIGN's cut
-    point, and the episode-end tokenization check."""
+    sample's held text beside its ids, the bridge, REALIGN's cut point, and the episode-end tokenization check."""
 
     def __init__(self, tokenizer, fmt, cfg: Config):
         self.tok, self.fmt, self.cfg = tokenizer, fmt, cfg
