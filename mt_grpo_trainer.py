@@ -1751,11 +1751,9 @@ class LocalSampler:
         out = [Completion([], [], "length") for _ in range(B)]
         done = [m < 1 for m in max_tokens]
         window = max((len(s) for s in stop), default=0) + 2  # tail of tokens that can hold a stop string
-        cache, step_ids = None, ids
+        cache, new_ids = None, ids
         for _ in range(max(max_tokens)):
-            res = model(
-                input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
-            )
+            res = model(input_ids=new_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
             cache, logits = res.past_key_values, res.logits[:, -1].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, -1)
@@ -1776,7 +1774,7 @@ class LocalSampler:
                     done[b] = True
             if all(done):
                 break
-            step_ids = nxt[:, None]
+            new_ids = nxt[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], -1)
             pos = pos[:, -1:] + 1
         model.train(was_training)
@@ -1814,7 +1812,7 @@ class Server:
     busy: int = 0  # sequences this client has in flight on it: a new session goes to the server with the fewest
     served: list = field(default_factory=lambda: [0, 0])  # requests and tokens (prompt and sampled) since stats()
     cache: list = field(default_factory=lambda: [0.0, 0.0])  # its prefix-cache queries and hits at the last stats()
-    seen: bool = False  # down, it answered GET /health at this rank's last sync (see follow)
+    seen: bool = False  # down, it answered GET /health at this rank's last sync (see sync_weights)
     nccl: typing.Any = None  # the NCCL group with its workers, made on its first nccl sync
 
 
@@ -2077,8 +2075,14 @@ class VLLMServerClient:
     def sync_weights(self, model, state_dict: dict | None, version: int):
         """Make every server that answers sample from `state_dict` (rank 0; the servers at once, and a server found
         down before taken back), then name `version` in requests (every rank)."""
-        if state_dict is None:  # the ranks other than 0, once rank 0's call returned
-            return self.follow(version)
+        if state_dict is None:  # the ranks other than 0, once rank 0's call returned: the servers up here hold
+            # `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)
+            for s in self.servers:
+                back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
+                if s.down_since is None or back and s.seen:
+                    s.version, s.down_since, s.seen = version, None, False
+            self.policy_version = version
+            return
         servers = [s for s in self.servers if s.down_since is None or self.healthy(s)]
         if self.cfg.weight_sync == "nccl":
             return self.sync_weights_nccl(servers, state_dict, version)
@@ -2099,15 +2103,6 @@ class VLLMServerClient:
                     "is left half-loaded), then resume_from_checkpoint=auto"
                 ) from None
         self.cleanup(keep_folders=[os.path.basename(path)])
-
-    def follow(self, version: int):
-        """The ranks other than 0, after rank 0 synced every server that answered it: the servers up here hold
-        `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)."""
-        for s in self.servers:
-            back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
-            if s.down_since is None or back and s.seen:
-                s.version, s.down_since, s.seen = version, None, False
-        self.policy_version = version
 
     def model_for(self, version: int) -> str:
         """What requests name: with LoRA the adapter of `version` (every rank knows its name), else the served model."""
