@@ -1897,8 +1897,7 @@ class VLLMServerClient:
             return isinstance(e, requests.ReadTimeout)
 
     def check_alive(self, s: Server, failed: str):
-        """After a failed attempt on `s`: a server whose GET /health fails too (its process or its engine died) is
-        down from now on, said once and counted, and the request goes elsewhere (ServerDown); else it is retried."""
+        """After a failed attempt: `s` is down from now on (ServerDown) if its GET /health fails too, else retried."""
         if s.down_since is None and self.healthy(s):
             return
         with self.lock:
@@ -2034,7 +2033,7 @@ class VLLMServerClient:
         body.update(prompt_logprobs=0, cache_salt=f"{self.run_tag}-probe-v{self.policy_version}")
         servers = [s for s in self.servers if s.down_since is None and s.version == self.policy_version]
         out = {}
-        for s, reply in zip(servers, self.each(servers, "POST", "/v1/completions", json=body)):
+        for s, reply in zip(servers, self.each(servers, "/v1/completions", json=body)):
             lps = reply["choices"][0].get("prompt_logprobs")
             if not isinstance(lps, list) or len(lps) != len(ids):
                 raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
@@ -2059,9 +2058,9 @@ class VLLMServerClient:
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
         return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
-    def each(self, servers: list[Server], method: str, path: str, **kw) -> list[dict]:
-        """`request` to every server of `servers` at once; one found down meanwhile leaves the list, the rest go on."""
-        futures = [(s, self.admin.submit(self.request, method=method, path=path, server=s, **kw)) for s in servers]
+    def each(self, servers: list[Server], path: str, **kw) -> list[dict]:
+        """POST `path` to every server of `servers` at once; one found down meanwhile leaves the list, the rest go on."""
+        futures = [(s, self.admin.submit(self.request, method="POST", path=path, server=s, **kw)) for s in servers]
         replies = []
         for s, fut in futures:
             try:
@@ -2069,7 +2068,7 @@ class VLLMServerClient:
             except ServerDown:
                 servers.remove(s)
         if not servers:
-            raise self.none_left(f"to answer {method} {path}")
+            raise self.none_left(f"to answer POST {path}")
         return replies
 
     def sync_weights(self, model, state_dict: dict | None, version: int):
@@ -2096,7 +2095,7 @@ class VLLMServerClient:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.cfg.request_timeout}
         with self.weight_update(servers, version):
             try:
-                self.each(servers, "POST", "/collective_rpc", retry_5xx=False, json=rpc)
+                self.each(servers, "/collective_rpc", retry_5xx=False, json=rpc)
             except SamplerError as e:  # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills it
                 raise SamplerError(
                     f"could not reload the weights of step {version} from {path}: {e}. Restart that server (its model "
@@ -2115,7 +2114,7 @@ class VLLMServerClient:
         load = {"lora_name": name, "lora_path": path, "load_inplace": True}  # in place: a retry or a resume is harmless
         try:
             with self.weight_update(servers, version, pause=False):  # beside the old adapters: nothing to pause
-                self.each(servers, "POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True, json=load)
+                self.each(servers, "/v1/load_lora_adapter", retry_5xx=False, plain=True, json=load)
         except SamplerError as e:
             raise SamplerError(
                 f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
@@ -2144,17 +2143,17 @@ class VLLMServerClient:
         partial = self.cfg.max_staleness > 0  # partial rollouts: requests in flight are frozen, not aborted
         mode = {"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()}
         if pause:
-            self.each(servers, "POST", "/pause", params=mode)
+            self.each(servers, "/pause", params=mode)
         try:
             yield
             if pause and not partial:
-                self.each(servers, "POST", "/reset_prefix_cache")
+                self.each(servers, "/reset_prefix_cache")
             for s in servers:  # synced: sampled from again (one taken back too)
                 s.version, s.down_since = version, None
             self.policy_version = version
         finally:
             if pause:
-                self.each(servers, "POST", "/resume")
+                self.each(servers, "/resume")
 
     def sync_weights_nccl(self, servers: list[Server], state_dict: dict, version: int):
         """vLLM's native weight transfer: rank 0 joins each server's workers in an NCCL group once, then broadcasts packed
@@ -2163,7 +2162,7 @@ class VLLMServerClient:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # the current CUDA device
         tensors = {k: v.to(dev, torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
         for s in (s for s in servers if s.nccl is None):
             size = self.request("GET", "/get_world_size", server=s)["world_size"]
