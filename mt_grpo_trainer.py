@@ -1750,11 +1750,9 @@ class LocalSampler:
         out = [Completion([], [], "length") for _ in range(B)]
         done = [m < 1 for m in max_tokens]
         window = max((len(s) for s in stop), default=0) + 2  # tail of tokens that can hold a stop string
-        cache, step_ids = None, ids
+        cache, new_ids = None, ids
         for _ in range(max(max_tokens)):
-            res = model(
-                input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
-            )
+            res = model(input_ids=new_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
             cache, logits = res.past_key_values, res.logits[:, -1].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, -1)
@@ -1775,7 +1773,7 @@ class LocalSampler:
                     done[b] = True
             if all(done):
                 break
-            step_ids = nxt[:, None]
+            new_ids = nxt[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], -1)
             pos = pos[:, -1:] + 1
         model.train(was_training)
@@ -1813,7 +1811,7 @@ class Server:
     busy: int = 0  # sequences this client has in flight on it: a new session goes to the server with the fewest
     served: list = field(default_factory=lambda: [0, 0])  # requests and tokens (prompt and sampled) since stats()
     cache: list = field(default_factory=lambda: [0.0, 0.0])  # its prefix-cache queries and hits at the last stats()
-    seen: bool = False  # down, it answered GET /health at this rank's last sync (see follow)
+    seen: bool = False  # down, it answered GET /health at this rank's last sync (see sync_weights)
     nccl: typing.Any = None  # the NCCL group with its workers, made on its first nccl sync
 
 
@@ -1898,8 +1896,7 @@ class VLLMServerClient:
             return isinstance(e, requests.ReadTimeout)
 
     def check_alive(self, s: Server, failed: str):
-        """After a failed attempt on `s`: a server whose GET /health fails too (its process or its engine died) is
-        down from now on, said once and counted, and the request goes elsewhere (ServerDown); else it is retried."""
+        """After a failed attempt: `s` is down from now on (ServerDown) if its GET /health fails too, else retried."""
         if s.down_since is None and self.healthy(s):
             return
         with self.lock:
@@ -2035,7 +2032,7 @@ class VLLMServerClient:
         body.update(prompt_logprobs=0, cache_salt=f"{self.run_tag}-probe-v{self.policy_version}")
         servers = [s for s in self.servers if s.down_since is None and s.version == self.policy_version]
         out = {}
-        for s, reply in zip(servers, self.each(servers, "POST", "/v1/completions", json=body)):
+        for s, reply in zip(servers, self.each(servers, "/v1/completions", json=body)):
             lps = reply["choices"][0].get("prompt_logprobs")
             if not isinstance(lps, list) or len(lps) != len(ids):
                 raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
@@ -2060,9 +2057,9 @@ class VLLMServerClient:
             raise SamplerError(f"{where} finished a completion with {c.get('finish_reason')!r}")
         return Completion(ids, [float(x) for x in lps], "stop" if c["finish_reason"] == "stop" else "length", version)
 
-    def each(self, servers: list[Server], method: str, path: str, **kw) -> list[dict]:
-        """`request` to every server of `servers` at once; one found down meanwhile leaves the list, the rest go on."""
-        futures = [(s, self.admin.submit(self.request, method=method, path=path, server=s, **kw)) for s in servers]
+    def each(self, servers: list[Server], path: str, **kw) -> list[dict]:
+        """POST `path` to every server of `servers` at once; one found down meanwhile leaves the list, the rest go on."""
+        futures = [(s, self.admin.submit(self.request, method="POST", path=path, server=s, **kw)) for s in servers]
         replies = []
         for s, fut in futures:
             try:
@@ -2070,14 +2067,20 @@ class VLLMServerClient:
             except ServerDown:
                 servers.remove(s)
         if not servers:
-            raise self.none_left(f"to answer {method} {path}")
+            raise self.none_left(f"to answer POST {path}")
         return replies
 
     def sync_weights(self, model, state_dict: dict | None, version: int):
         """Make every server that answers sample from `state_dict` (rank 0; the servers at once, and a server found
         down before taken back), then name `version` in requests (every rank)."""
-        if state_dict is None:  # the ranks other than 0, once rank 0's call returned
-            return self.follow(version)
+        if state_dict is None:  # the ranks other than 0, once rank 0's call returned: the servers up here hold
+            # `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)
+            for s in self.servers:
+                back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
+                if s.down_since is None or back and s.seen:
+                    s.version, s.down_since, s.seen = version, None, False
+            self.policy_version = version
+            return
         servers = [s for s in self.servers if s.down_since is None or self.healthy(s)]
         if self.cfg.weight_sync == "nccl":
             return self.sync_weights_nccl(servers, state_dict, version)
@@ -2091,22 +2094,13 @@ class VLLMServerClient:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}, "timeout": self.cfg.request_timeout}
         with self.weight_update(servers, version):
             try:
-                self.each(servers, "POST", "/collective_rpc", retry_5xx=False, json=rpc)
+                self.each(servers, "/collective_rpc", retry_5xx=False, json=rpc)
             except SamplerError as e:  # vLLM 0.32: a failed reload leaves layers half-loaded; the next forward kills it
                 raise SamplerError(
                     f"could not reload the weights of step {version} from {path}: {e}. Restart that server (its model "
                     "is left half-loaded), then resume_from_checkpoint=auto"
                 ) from None
         self.cleanup(keep_folders=[os.path.basename(path)])
-
-    def follow(self, version: int):
-        """The ranks other than 0, after rank 0 synced every server that answered it: the servers up here hold
-        `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)."""
-        for s in self.servers:
-            back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
-            if s.down_since is None or back and s.seen:
-                s.version, s.down_since, s.seen = version, None, False
-        self.policy_version = version
 
     def model_for(self, version: int) -> str:
         """What requests name: with LoRA the adapter of `version` (every rank knows its name), else the served model."""
@@ -2119,7 +2113,7 @@ class VLLMServerClient:
         load = {"lora_name": name, "lora_path": path, "load_inplace": True}  # in place: a retry or a resume is harmless
         try:
             with self.weight_update(servers, version, pause=False):  # beside the old adapters: nothing to pause
-                self.each(servers, "POST", "/v1/load_lora_adapter", retry_5xx=False, plain=True, json=load)
+                self.each(servers, "/v1/load_lora_adapter", retry_5xx=False, plain=True, json=load)
         except SamplerError as e:
             raise SamplerError(
                 f"{e}\nlora_rank={self.cfg.lora_rank} needs a server started with --enable-lora, --max-lora-"
@@ -2148,17 +2142,17 @@ class VLLMServerClient:
         partial = self.cfg.max_staleness > 0  # partial rollouts: requests in flight are frozen, not aborted
         mode = {"mode": "keep" if partial else "abort", "clear_cache": str(not partial).lower()}
         if pause:
-            self.each(servers, "POST", "/pause", params=mode)
+            self.each(servers, "/pause", params=mode)
         try:
             yield
             if pause and not partial:
-                self.each(servers, "POST", "/reset_prefix_cache")
+                self.each(servers, "/reset_prefix_cache")
             for s in servers:  # synced: sampled from again (one taken back too)
                 s.version, s.down_since = version, None
             self.policy_version = version
         finally:
             if pause:
-                self.each(servers, "POST", "/resume")
+                self.each(servers, "/resume")
 
     def sync_weights_nccl(self, servers: list[Server], state_dict: dict, version: int):
         """vLLM's native weight transfer: rank 0 joins each server's workers in an NCCL group once, then broadcasts packed
@@ -2167,7 +2161,7 @@ class VLLMServerClient:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # the current CUDA device
         tensors = {k: v.to(dev, torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in state_dict.items()}
         for s in (s for s in servers if s.nccl is None):
             size = self.request("GET", "/get_world_size", server=s)["world_size"]
