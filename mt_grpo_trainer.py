@@ -1708,9 +1708,8 @@ def summarize(cfg: Config, history: list[dict]):
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
         first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
         print(f"  {key:<22} {history[0][key]:.3f} | {first:.3f} -> {last:.3f}")
-    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
-    for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
+    for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
     print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
     print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
 
