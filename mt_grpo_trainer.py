@@ -1194,7 +1194,7 @@ class Run:
         if self.is_main:  # every server probed twice: its own noise (the CPU build repeats to the bit)
             first, again = (self.sampler.probe_logprobs(self.probe_ids) for _ in range(2))
             tensors = {url: (torch.tensor(first[url]), torch.tensor(again[url])) for url in first}
-            stats = [*max(self.check_probe(url, version, *t, own) for url, t in tensors.items()), len(first)]
+            stats = [*max(self.check_probe(url, version, *pair, own) for url, pair in tensors.items()), len(first)]
         diff, change, judged, follow, repeat, checked = all_reduce(*stats)
         m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/probe_repeat": repeat})
         m["sync/servers_checked"] = checked
@@ -1348,10 +1348,10 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids[:64]  # the sync check's fixed sequence
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
-    if not eval_only and run.sampler.policy_version is not None:  # eval is greedy; in-process they are the trainer's
-        run.check_logprobs_mode(prompt_ids)
-    if eval_only:
+    if eval_only:  # eval is greedy: no logprobs to check
         return run
+    if run.sampler.policy_version is not None:  # in-process they are the trainer's
+        run.check_logprobs_mode(prompt_ids)
     bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=not run.is_main)
     run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
