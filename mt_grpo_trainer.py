@@ -1189,12 +1189,12 @@ class Run:
         with torch.no_grad():  # every rank runs the forward (FSDP); float32, no dropout, as the server
             own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
         self.model.train(was)
-        stats = [0.0] * 7  # rank 0's: check_probe's of the server farthest from the trainer, and how many it checked
+        stats = [0.0] * 6  # rank 0's: check_probe's of the server farthest from the trainer, and how many it checked
         if self.is_main:  # every server probed twice: its own noise (the CPU build repeats to the bit)
             first, again = (self.sampler.probe_logprobs(self.probe_ids) for _ in range(2))
             tensors = {url: (torch.tensor(first[url]), torch.tensor(again[url])) for url in first}
-            stats = [*max(self.check_probe(url, version, *t, own) for url, t in tensors.items()), len(first)]
-        diff, change, judged, follow, since, repeat, checked = all_reduce(*stats)
+            stats = [*max(self.check_probe(url, version, *pair, own) for url, pair in tensors.items()), len(first)]
+        diff, change, judged, follow, repeat, checked = all_reduce(*stats)
         m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/probe_repeat": repeat})
         m["sync/servers_checked"] = checked
         if judged:
@@ -1203,7 +1203,7 @@ class Run:
 
     def check_probe(self, url: str, version: int, srv, again, own) -> list[float]:
         """One server's sync check (rank 0), the two of `sync`. Returns mean |server - trainer|, the trainer's change,
-        judged, the share of tokens moved, since (the step of its reference) and its repeat noise."""
+        judged, the share of tokens moved and its repeat noise."""
         diff, repeat = float((srv - own).abs().mean()), float((again - srv).abs().mean())
         # a server's first sync is its first reference
         since, ref_srv, ref_own, ref_gap = self.probe_ref.setdefault(url, (version, srv, own, diff))
@@ -1229,7 +1229,7 @@ class Run:
                 f"server's on {follow:.0%} of its tokens (a repeated probe differs by {repeat:.4f}). Likely: "
                 "the reload did not take (see the server's log), or the server serves something else."
             )
-        return [diff, change, judged, follow, since, repeat]
+        return [diff, change, judged, follow, repeat]
 
     def check_logprobs_mode(self, prompt: list[int]):
         """A server started without `--logprobs-mode processed_logprobs` returns vLLM's raw logprobs (temperature 1, no
@@ -1347,10 +1347,10 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids[:64]  # the sync check's fixed sequence
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
-    if not eval_only and run.sampler.policy_version is not None:  # eval is greedy; in-process they are the trainer's
-        run.check_logprobs_mode(prompt_ids)
-    if eval_only:
+    if eval_only:  # eval is greedy: no logprobs to check
         return run
+    if run.sampler.policy_version is not None:  # in-process they are the trainer's
+        run.check_logprobs_mode(prompt_ids)
     bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=not run.is_main)
     run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
@@ -1428,8 +1428,8 @@ def hold_output_dir(cfg: Config, say):
     """Rank 0: a run holds its folder with a lock on `<output_dir>.lock` (which names its PID, host and start), so a
     second run on the same folder refuses instead of mixing its files in. The OS drops the lock of a run that dies.
     A POSIX lock belongs to the process: an earlier train() in this process that failed does not block the next."""
-    path = cfg.output_dir.rstrip("/") + ".lock"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    path = cfg.output_dir + ".lock"  # beside the folder, which a fresh run may move aside (absolute: resolve_paths)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     f = open(path, "a+")
     f.seek(0)
     pid, host, since = (f.read().split(" ", 2) + ["", "", ""])[:3]
@@ -1452,7 +1452,7 @@ def hold_output_dir(cfg: Config, say):
 def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
     """Rank 0: a fresh run moves an earlier run in output_dir aside, then saves the resolved config."""
     if not ckpt and not eval_only and os.path.isfile(os.path.join(cfg.output_dir, "metrics.jsonl")):
-        old = f"{cfg.output_dir.rstrip('/')}.{time.strftime('%Y%m%d-%H%M%S')}"  # a fresh run never mixes with an earlier one
+        old = f"{cfg.output_dir}.{time.strftime('%Y%m%d-%H%M%S')}"  # a fresh run never mixes with an earlier one
         os.replace(cfg.output_dir, old)
         say(
             f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
@@ -1526,7 +1526,7 @@ def pretrained(cls, path: str, **kw):
         raise ConfigError(f"{cls.__name__} cannot load '{path}' {tried}: {why:.400}; {fix}") from None
 
 
-def add_lora(model, cfg: Config, src: str = ""):
+def add_lora(model, cfg: Config, src: str):
     """lora_rank > 0: peft adapters on the frozen base model, the checkpoint's own when `src` holds one. A new
     adapter is initialised from `seed` alone, so every rank starts from the same one (FSDP2 does not broadcast)."""
     if not cfg.lora_rank:
@@ -1596,10 +1596,10 @@ def branch_metrics(eps: list[Episode]) -> dict:
     """Branching: the paths per prompt, the branch points per prompt, and the sampled tokens a path holds as context
     because a sibling samples and trains them (the shared prefixes, each sampled once)."""
     groups = len({e.group for e in eps})
-    nodes = {(e.group, e.node[:d]) for e in eps for d in range(1, len(e.node) + 1)}
+    points = {(e.group, e.node[:d]) for e in eps for d in range(1, len(e.node))}  # the nodes a path branched off at
     return {
         "rollout/paths_per_prompt": len(eps) / groups,
-        "rollout/branch_points_per_prompt": len({(g, p[:-1]) for g, p in nodes if len(p) > 1}) / groups,
+        "rollout/branch_points_per_prompt": len(points) / groups,
         "rollout/shared_prefix_tokens": sum(e.shared_tokens for e in eps) / len(eps),
     }
 
@@ -1707,9 +1707,8 @@ def summarize(cfg: Config, history: list[dict]):
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
         first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
         print(f"  {key:<22} {history[0][key]:.3f} | {first:.3f} -> {last:.3f}")
-    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
-    for key in sorted({k for h in evals for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in evals))
+    for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
     print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
     print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
 

@@ -15,8 +15,8 @@ def test_the_file_and_its_read_path_stay_short():
     # Lines as `ruff format` lays them out (CI checks the file is formatted), so packing cannot meet a budget.
     assert APPENDIX < 1300, f"the read path (before the appendix) is {APPENDIX} lines; its budget is 1,300"
     # The whole file's budget was 2,500; with turn-level credit for any number of turns (branching) and several
-    # servers it was 3,196; it stands at 3,140. It may not grow: simplify to add.
-    assert len(LINES) <= 3140, f"mt_grpo_trainer.py is {len(LINES)} lines: simplify before adding"
+    # servers it was 3,196; it stands at 3,139. It may not grow: simplify to add.
+    assert len(LINES) <= 3139, f"mt_grpo_trainer.py is {len(LINES)} lines: simplify before adding"
 
 
 def test_no_function_is_too_long_and_train_is_the_loop():
