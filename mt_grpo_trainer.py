@@ -393,10 +393,11 @@ class Episode:
                 setattr(self.samples[-1], k, v)
 
 
-def new_episode(row: dict, system_prompt: str) -> Episode:
+def new_episode(row: dict, system_prompt: str, norm=lambda text: text) -> Episode:
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     prompt = row["prompt"]
     msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    msgs = [{**m, "content": norm(m["content"])} for m in msgs]  # each content is text (load_rows checks)
     return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
 
 
@@ -745,9 +746,7 @@ class MultiTurnToolEnv:
         return DaemonPool(32)
 
     def new_episode(self, row: dict) -> Episode:
-        ep = new_episode(row, self.system_prompt)  # its prompts (text: load_rows checks) as the tokenizer reads them
-        ep.messages = [{**m, "content": self.chat.norm(m["content"])} for m in ep.messages]
-        return ep
+        return new_episode(row, self.system_prompt, self.chat.norm)  # its prompts as the tokenizer reads them
 
     def next_prompt(self, ep: Episode) -> list[int]:
         """Extend the episode's sample with the environment's tokens, or fork a new one (I4).
@@ -2125,10 +2124,9 @@ class VLLMServerClient:
 
     def unload(self, name: str):
         """Unload a LoRA adapter from every server that is up (one taken back since it was loaded never had it)."""
-        body = {"lora_name": name}
-        for s in (s for s in self.servers if s.down_since is None):
-            with contextlib.suppress(SamplerError):
-                self.request("POST", "/v1/unload_lora_adapter", deadline=30.0, plain=True, server=s, json=body)
+        up = [s for s in self.servers if s.down_since is None]
+        with contextlib.suppress(SamplerError):  # best effort: each server gets its request, whatever another answers
+            self.each(up, "/v1/unload_lora_adapter", deadline=30.0, plain=True, json={"lora_name": name})
 
     @contextlib.contextmanager
     def weight_update(self, servers: list[Server], version: int, pause: bool = True):
@@ -2450,6 +2448,7 @@ def find_checkpoint(cfg: Config, say=print) -> str | None:
             f"resume_from_checkpoint=auto: no checkpoint in '{cfg.output_dir}' can be resumed "
             f"({'; '.join(skipped)}); to start over instead, set resume_from_checkpoint=''"
         )
+    return None  # auto, and output_dir holds no checkpoint yet: a fresh start
 
 
 def checkpoint_problem(path: str) -> str:
@@ -3101,6 +3100,7 @@ class ChatTemplate:
                 gone = self.tok.decode(tail[k:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 rest = gone[len(os.path.commonprefix([gone, text[len(kept) :]])) :]  # what the fresh text lacks
                 return (lp + k, kept) if not rest.strip() else None
+        return None  # no cut within realign_max_tokens of the end: a fork
 
     def check_tokenization(self, ep: Episode) -> int:
         """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
