@@ -551,9 +551,8 @@ def test_killing_one_real_server_mid_run_leaves_the_run_finishing_on_the_other(t
         and len(metrics.read_text().splitlines() if metrics.exists() else []) < 2
     ):
         time.sleep(0.2)
-    os.killpg(
-        os.getpgid(vllm_api_process(urls[1].rsplit(":", 1)[1])), signal.SIGKILL
-    )  # the second server's API process, EngineCore and all
+    api = vllm_api_process(urls[1].rsplit(":", 1)[1])  # the second server's API process
+    os.killpg(os.getpgid(api), signal.SIGKILL)  # its whole group, EngineCore and all
     out, err = trainer.communicate(timeout=600)
     assert trainer.returncode == 0, err[-3000:]
     hist = [json.loads(x) for x in metrics.read_text().splitlines()]
