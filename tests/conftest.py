@@ -2,6 +2,7 @@ import contextlib
 import fcntl
 import os
 import random
+import socket
 import subprocess
 import sys
 
@@ -180,6 +181,24 @@ def server_layout_env(port: int, log, **extra: str) -> dict:
         "MTGRPO_REQUIREMENTS": "requirements.txt",
         **extra,
     }
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free ports, for run.sh's several servers (port, port + 1, ...). They are taken
+    below the kernel's ephemeral range: there, any connection's local end (another test's client, in another worker)
+    can take port + 1 between this check and the server's bind, which M.free_port's one port cannot foresee."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(100):
+        base = random.randrange(max(1024, ephemeral - 12000), ephemeral - n)
+        with contextlib.ExitStack() as held:
+            try:
+                for p in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        return base
+    raise AssertionError(f"no {n} consecutive free ports below {ephemeral}")
 
 
 def vllm_api_process(port) -> int:

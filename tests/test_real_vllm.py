@@ -19,6 +19,7 @@ import torch
 import mt_grpo_trainer as M
 from conftest import (
     ROOT,
+    free_ports,
     moving_run,
     recipe_cfg,
     server_layout_env,
@@ -463,7 +464,7 @@ def test_lora_through_run_sh_server_layout(toy_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def two_servers(toy_model_dir, tmp_path_factory):
     """Two vLLM CPU servers of the warm-started toy model, 1 GB of KV cache each, from one `bash run.sh serve`."""
-    logs, port = tmp_path_factory.mktemp("two"), M.free_port()
+    logs, port = tmp_path_factory.mktemp("two"), free_ports(2)
     env = server_layout_env(port, logs / "vllm.log", MTGRPO_VLLM_CPU_SERVERS="2", MTGRPO_VLLM_CPU_KVCACHE_GB="1")
     cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={toy_model_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)

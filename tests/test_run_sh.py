@@ -15,7 +15,7 @@ import time
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import vllm_api_process
+from conftest import free_ports, vllm_api_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -373,7 +373,7 @@ def test_no_server_outlives_a_run_sh_killed_outright(tmp_path, tiny_model_dir):
         "#!/bin/sh\nsleep 600 &\nport=$(echo \"$@\" | sed 's/.*--port \\([0-9]*\\).*/\\1/')\n"
         f'exec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" --port "$port" --max-model-len 512\n',
     )
-    port = M.free_port()
+    port = free_ports(2)
     p = subprocess.Popen(
         [
             "bash",
@@ -434,7 +434,7 @@ def test_the_gpu_layout_serves_one_server_per_group_of_vllm_gpus_and_trains_with
     body = STANDIN_VLLM.format(
         python=sys.executable, record=record, standin=os.path.join(ROOT, "tests", "vllm_standin.py")
     )
-    bin_dir, port, run = fake_bin(tmp_path, body), M.free_port(), tmp_path / "run"
+    bin_dir, port, run = fake_bin(tmp_path, body), free_ports(2), tmp_path / "run"
     common = ("hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder=")
     bad = run_sh(tmp_path, bin_dir, port, *common, "vllm_gpus=0,1,2", "vllm_tensor_parallel_size=2", timeout=120)
     assert bad.returncode != 0 and "vllm_gpus=0,1,2 holds 3 GPU(s), not a multiple of vllm_tensor_parallel_size=2" in (
