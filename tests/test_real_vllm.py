@@ -275,6 +275,42 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
         assert c.finish_reason in ("stop", "length") and len(c.ids) == len(c.logprobs) >= 1
 
 
+def keep_pause_round(client, prompts, old, new, version):
+    """Serve `old` as `version`; while the prompts generate, sync `new` as version + 1 (max_staleness >= 1: a keep
+    pause). Checks what must hold whenever the pause lands; returns, per completion, per token whose two models'
+    logprobs differ well beyond bf16 error (~0.2): is the server's logprob the new weights' (else the old ones')?"""
+    serve(client, old, version)
+    calls, out = recording(client), {}
+    worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0)))
+    wait_until_generating(client.servers[0].url, worker)
+    serve(client, new, version + 1)
+    worker.join(timeout=300)
+    assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
+    sent = [c for c in calls if c["path"] == "/v1/completions"]
+    assert len(sent) == len({tuple(p) for p in prompts}) and not [
+        c for c in choices(calls) if c["finish_reason"] == "abort"
+    ], "a keep pause aborts nothing and nothing is sent again"
+    assert all(
+        c.finish_reason in ("stop", "length")
+        and c.version in (version, version + 1)
+        and len(c.ids) == len(c.logprobs) >= 1
+        for c in out["c"]
+    )  # version + 1: on a loaded machine, a request first sent after the sync
+    by_new = []
+    for p, c in zip(prompts, out["c"]):
+        lp, lp_old, lp_new = (
+            torch.tensor(c.logprobs),
+            trainer_logprobs(old, p, c.ids, 1.0),
+            trainer_logprobs(new, p, c.ids, 1.0),
+        )
+        assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, "each token is one model's"
+        clear = (lp_old - lp_new).abs() > 1.0
+        by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
+    assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
+    assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == version + 1), "a new request is all new"
+    return by_new
+
+
 def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_reload(real_vllm, toy, tmp_path):
     """max_staleness >= 1: a sync pauses with mode=keep; the requests in flight are neither aborted nor sent again,
     they finish after vLLM reloads the weights, and each token's logprob is that of the weights that sampled it."""
@@ -291,47 +327,18 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     new = copy.deepcopy(old)
     with torch.no_grad():  # only the final norm differs: a frozen request's KV cache is the same under both,
         new.model.norm.weight.mul_(30)  # and the new weights' next-token distributions are peaked
-    serve(client, old, 1)
     try:
-        calls, out = recording(client), {}
-        worker = threading.Thread(
-            target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0))
-        )
-        wait_until_generating(real_vllm.url, worker)
-        serve(client, new, 2)
-        worker.join(timeout=300)
-        assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
-        sent = [c for c in calls if c["path"] == "/v1/completions"]
-        assert len(sent) == len({tuple(p) for p in prompts}) and not [
-            c for c in choices(calls) if c["finish_reason"] == "abort"
-        ], "a keep pause aborts nothing and nothing is sent again"
-        assert all(
-            c.finish_reason in ("stop", "length") and c.version in (1, 2) and len(c.ids) == len(c.logprobs) >= 1
-            for c in out["c"]
-        )  # version 2: on a loaded machine, a request first sent after the sync
-        by_new = []  # per completion, per token: is the server's logprob the new weights' (else the old ones')?
-        for p, c in zip(prompts, out["c"]):
-            lp, lp_old, lp_new = (
-                torch.tensor(c.logprobs),
-                trainer_logprobs(old, p, c.ids, 1.0),
-                trainer_logprobs(new, p, c.ids, 1.0),
-            )
-            assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, (
-                "each token is one model's (bf16 errors to ~0.2)"
-            )
-            clear = (
-                lp_old - lp_new
-            ).abs() > 1.0  # only tokens whose two logprobs differ well beyond bf16 error say which
-            by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
-        assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
-        assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == 2), "a version-2 request is all new"
+        for attempt in range(3):  # the pause must land inside a generation; a loaded machine may need another try
+            by_new = keep_pause_round(client, prompts, old, new, 2 * attempt + 1)
+            if any(flags and flags[0] < flags[-1] for flags in by_new):
+                break
         assert any(flags and flags[0] < flags[-1] for flags in by_new), (
-            "some request was frozen mid-generation and went on"
+            "no request was frozen mid-generation in 3 syncs"
         )
         [c] = client.generate([prompts[0]], [4], 1.0)
-        assert c.version == 2
+        assert c.version == 2 * attempt + 2
     finally:
-        serve(client, model, 3)  # the warm-started weights again, for the tests after this one
+        serve(client, model, 10)  # the warm-started weights again, for the tests after this one
 
 
 def test_n_for_a_groups_first_turn_and_what_stop_strings_and_eos_leave_in_token_ids(real_vllm, toy, tmp_path):
