@@ -330,11 +330,10 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
     try:
         for attempt in range(3):  # the pause must land inside a generation; a loaded machine may need another try
             by_new = keep_pause_round(client, prompts, old, new, 2 * attempt + 1)
-            if any(flags and flags[0] < flags[-1] for flags in by_new):
+            frozen = any(flags and flags[0] < flags[-1] for flags in by_new)  # old tokens, then new ones
+            if frozen:
                 break
-        assert any(flags and flags[0] < flags[-1] for flags in by_new), (
-            "no request was frozen mid-generation in 3 syncs"
-        )
+        assert frozen, "no request was frozen mid-generation in 3 syncs"
         [c] = client.generate([prompts[0]], [4], 1.0)
         assert c.version == 2 * attempt + 2
     finally:
