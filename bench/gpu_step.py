@@ -30,8 +30,7 @@ sys.path.insert(0, ROOT)
 import mt_grpo_trainer as M  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from logprob_memory import loss_step  # noqa: E402
-from tests.test_logprobs import direct_logprobs  # noqa: E402   the baseline: the direct computation
+from logprob_memory import direct_logprobs, loss_step  # noqa: E402   direct_logprobs: the baseline
 
 QWEN3_1_7B = dict(
     hidden_size=2048,
@@ -112,9 +111,8 @@ def train_case(args, lora: int, checkpointing: bool = True) -> dict:
     sync()
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.samples * args.seq
-    per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * QWEN3_1_7B[
-        "hidden_size"
-    ] * args.seq
+    hidden = QWEN3_1_7B["hidden_size"]
+    per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * hidden * args.seq
     return dict(
         case=(f"lora r{lora}" if lora else "full") + ("" if checkpointing else ", no checkpointing"),
         step_s=round(dt, 3),
