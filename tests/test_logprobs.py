@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
+from conftest import ROOT
 
 
 def direct_logprobs(model, ids, attn, temperature):
@@ -121,7 +122,7 @@ def test_no_full_float32_log_softmax_is_kept_for_backward(monkeypatch):
 def test_the_memory_benches_run_one_train_step_of_each_computation():
     """bench/logprob_memory.py (and bench/gpu_step.py, through its loss_step) call the trainer's loss as a train step
     does: they keep working as its API changes, and each measured step holds at least the [B, T, vocab] logits."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import logprob_memory
 
     peaks = [logprob_memory.one_case(variant, 64, 2, 1, "fp32") for variant in ("before", "after")]
