@@ -62,7 +62,9 @@ def test_the_recipe_names_one_server_or_several(tmp_path):
 
 
 def test_an_episode_stays_on_one_server_new_ones_spread_and_the_shares_are_logged(tok, tmp_path):
-    with scripted_servers(tok, 2) as servers:
+    # 0.5 s a request: every group's first turn is in flight before any returns, so "the fewest in flight" alternates.
+    # Answered at once, on a loaded machine a server could be free again before the next group was routed.
+    with scripted_servers(tok, 2, latency=0.5) as servers:
         client = client_for(tmp_path, servers)
         env = M.MultiTurnToolEnv(tok, [lookup], client.cfg)
         eps = env.rollout(rows(8, 4), client)
