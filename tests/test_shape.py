@@ -5,18 +5,27 @@ import inspect
 import re
 
 import mt_grpo_trainer as M
+from bench import code_density
 
 SOURCE = inspect.getsource(M)
 LINES = SOURCE.splitlines()
+# The whole file's code tokens: what it had when the line cap was retired, and what each feature since added. A feature
+# that adds code adds its line here, naming itself; a simplification lowers the first.
+FEATURE_TOKENS = {
+    "the trainer at be8dc43 (the 3,139-line cap retired)": 26_710,
+}
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
 
-def test_the_file_and_its_read_path_stay_short():
-    # Lines as `ruff format` lays them out (CI checks the file is formatted), so packing cannot meet a budget.
-    assert APPENDIX < 1300, f"the read path (before the appendix) is {APPENDIX} lines; its budget is 1,300"
-    # The whole file's budget was 2,500; with turn-level credit for any number of turns (branching) and several
-    # servers it was 3,196; it stands at 3,139. It may not grow: simplify to add.
-    assert len(LINES) <= 3139, f"mt_grpo_trainer.py is {len(LINES)} lines: simplify before adding"
+def test_the_read_path_stays_short_and_code_tokens_grow_only_with_features():
+    # The read path in lines as `ruff format` lays them out; the whole file in code tokens (bench/code_density.py), so
+    # splitting a line changes nothing and packing one saves nothing: a budget is met by removing code.
+    assert APPENDIX < 1500, f"the read path (before the appendix) is {APPENDIX} lines; its budget is 1,500"
+    tokens = code_density.measure(SOURCE)["code_tokens"]
+    budget = sum(FEATURE_TOKENS.values())
+    assert tokens <= budget, (
+        f"mt_grpo_trainer.py has {tokens:,} code tokens, over its {budget:,}: simplify, or add a feature's line to FEATURE_TOKENS"
+    )
 
 
 def test_no_function_is_too_long_and_train_is_the_loop():
