@@ -186,7 +186,7 @@ class Config:
     loss_aggregation: Annotated[str, LOSS_AGGREGATIONS] = "token_mean"
     """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean over episodes of each episode's mean token loss: an episode weighs the same however many samples it forked into)."""
     mask_truncated_completions: bool = False
-    """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group)."""
+    """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group; with branching, only the node the cut path ended in)."""
     num_iterations: Annotated[int, ">= 1"] = 1
     """Optimizer updates per rollout batch; above 1, old logprobs are recomputed before the first."""
     is_ratio_cap: Annotated[float, ">= 0"] = 2.0
@@ -429,11 +429,17 @@ def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout
 # turn's state (see the header) is unbiased: `tree`'s siblings (leave-one-out), or without branching the prompt's.
 
 
+def spread(values) -> bool:
+    """Whether values differ by more than a float residue: 0.1 + 0.2 against 0.3 (5.6e-17), or float32's 0.1 + 0.25
+    against 0.35 (~1e-8), would otherwise become a full advantage, or keep a group filter_zero_spread_groups drops."""
+    v = np.asarray(values, dtype=np.float64)
+    return len(v) > 1 and np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))
+
+
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
-    """(r - mean) / std within one group. A group with no spread gets exactly zero: a float32 residue
-    such as 0.1 + 0.25 vs 0.35 (spread ~1e-8) would otherwise become a full +-1 advantage."""
+    """(r - mean) / std within one group. A group with no spread gets exactly zero."""
     r = np.asarray(rewards, dtype=np.float64)
-    if r.max() - r.min() <= 1e-6 * max(1.0, float(np.abs(r).max())):
+    if not spread(r):
         return np.zeros_like(r)
     centred = r - r.mean()
     return centred / (r.std(ddof=1) + 1e-4) if scale else centred
@@ -441,9 +447,12 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
 
 def leave_one_out(values) -> np.ndarray:
     """Each value minus the mean of the others: an unbiased baseline, as it does not depend on the value's own
-    trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n)."""
-    v, n = np.asarray(values, dtype=np.float64), len(values)
-    return (v - (v.sum() - v) / (n - 1)) if n > 1 else np.zeros(n)
+    trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n). No spread: exactly zero."""
+    v = np.asarray(values, dtype=np.float64)
+    if not spread(v):
+        return np.zeros_like(v)
+    others = (v.sum() - v) / (len(v) - 1)
+    return v - others
 
 
 def return_scale(turn_R, outcome_R, cfg: Config) -> float:
@@ -451,8 +460,7 @@ def return_scale(turn_R, outcome_R, cfg: Config) -> float:
     divide by, as GRPO divides by its rewards' std (so a step's size does not depend on the reward's units; like
     GRPO's, the division is not unbiased); 1 without it, or when the returns do not spread."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
-    spread = len(returns) > 1 and np.ptp(returns) > 1e-6 * max(1.0, float(np.abs(returns).max()))
-    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_rewards and spread else 1.0
+    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_rewards and spread(returns) else 1.0
 
 
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -576,19 +584,44 @@ def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcom
 
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
-    """The samples the loss sees, and how many were rejected for a non-finite sampler logprob (I6). Left out too:
-    samples with nothing sampled and, with mask_truncated_completions, episodes cut by max_tokens or the context.
-    Each kept sample notes its episode's trained tokens over the kept samples (what sequence_mean divides by)."""
+    """The samples the loss sees, and how many held a non-finite sampler logprob (I6). Decided per node (a tree's
+    unit, and without branching the whole episode): a node's tokens are left out where it sampled a non-finite logprob,
+    and, with mask_truncated_completions, if a path cut by max_tokens or the context ended in it. A shared node's
+    tokens are trained by one path, its first child's, and stay trained when that path is cut below the node: the node
+    itself was sampled whole. Left out too: samples with nothing left to train. Each kept sample notes its episode's
+    trained tokens over the kept samples (what sequence_mean divides by)."""
     kept, rejected = [], 0
     for ep in episodes:
-        cut = cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context")
-        samples = [s for s in ep.samples if any(s.loss_mask) and not cut]
-        finite = [s for s in samples if all(math.isfinite(x) for x in s.sampler_logprobs)]
-        for s in finite:
-            s.episode_tokens = sum(sum(x.loss_mask) for x in finite)
-        kept += finite
-        rejected += len(samples) - len(finite)
+        nodes = collections.defaultdict(lambda: ep.node, enumerate(ep.turn_nodes))  # turn -> node (default: one)
+        cut = set()
+        if cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"):
+            cut.add(ep.node)  # the node the path ended in; its ancestors were sampled whole
+        samples = []
+        for s in ep.samples:
+            broken = {nodes[t] for t, x in zip(s.turn_idx, s.sampler_logprobs) if t >= 0 and not math.isfinite(x)}
+            rejected += bool(broken)
+            samples.append(without_nodes(s, nodes, broken | cut))
+        samples = [s for s in samples if any(s.loss_mask)]
+        for s in samples:
+            s.episode_tokens = sum(sum(x.loss_mask) for x in samples)
+        kept += samples
     return kept, rejected
+
+
+def without_nodes(s: Sample, nodes: dict, dropped: set) -> Sample:
+    """The sample with the tokens of the `dropped` nodes as context (mask, weight and advantage 0, logprob 0.0: a
+    non-finite one times mask 0 would still make the loss NaN), or the sample itself when nothing changes."""
+    keep = [t >= 0 and nodes[t] not in dropped for t in s.turn_idx]
+    mask = [m * k for m, k in zip(s.loss_mask, keep)]
+    if mask == s.loss_mask and all(map(math.isfinite, s.sampler_logprobs)):
+        return s
+    return dataclasses.replace(
+        s,
+        loss_mask=mask,
+        weights=[w * k for w, k in zip(s.weights, keep)],
+        advantages=[a * k for a, k in zip(s.advantages, keep)],
+        sampler_logprobs=[x if k else 0.0 for x, k in zip(s.sampler_logprobs, keep)],
+    )
 
 
 # --- loss -------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 rollouts (each sampled token trained once, by one path), and unbiasedness against the exact policy gradient of a small
 MDP whose policy decides when to stop, with the per-turn-index construction as the counterexample."""
 
+import collections
 import json
+import math
 import os
 
 import numpy as np
@@ -92,6 +94,17 @@ def test_reward_to_go_credits_a_turn_with_what_comes_after_it_against_the_other_
     assert np.allclose([a for e in scaled for a in e], [a / (np.std(returns, ddof=1) + 1e-4) for e in want for a in e])
 
 
+@pytest.mark.parametrize("mode", ["tree", "reward_to_go"])
+def test_returns_that_differ_by_a_float_residue_have_no_spread(mode):
+    """0.1 + 0.2 against 0.3 differ by 5.6e-17: leave-one-out gives exactly zero, as group_normalize does, so
+    filter_zero_spread_groups drops the group instead of training on a residue."""
+    eps = [episode(1, node=(0,), turn_nodes=[(0,)]), episode(1, node=(1,), turn_nodes=[(1,)])]
+    got = M.ADVANTAGE_MODES[mode](eps, [[0.1], [0.0]], [0.2, 0.3], M.Config(scale_rewards=False))
+    assert got == [[0.0], [0.0]]
+    assert list(M.leave_one_out([0.1 + 0.2, 0.3, 0.3])) == [0.0, 0.0, 0.0]
+    assert list(M.leave_one_out([1.0, 0.0, 0.5])) == [0.75, -0.75, 0.0]
+
+
 def test_tree_advantages_are_node_values_against_their_siblings():
     """Two roots; root 0 branched after its tool turn into children (0, 0) and (0, 1); root 1 answered at once.
     Q(child) = its own turn rewards + its outcome; Q(root 0) = its turn's reward + the mean of its children's Q."""
@@ -142,6 +155,35 @@ def test_a_branching_rollout_samples_the_shared_prefix_once_and_trains_each_samp
     assert sum(first.loss_mask) > sum(second.loss_mask) and eps[1].shared_tokens == sum(first.loss_mask[:cut])
     m = M.rollout_metrics(eps)
     assert m["rollout/paths_per_prompt"] == 8 and m["rollout/branch_points_per_prompt"] == 2 + 4
+
+
+@pytest.mark.parametrize("fault", ["truncated", "context", "non-finite"])
+def test_a_path_cut_below_a_shared_node_leaves_that_node_trained(tok, tmp_path, fault):
+    """The first child's path holds its ancestors' tokens trained; the copies hold them as context. When that path is
+    cut (mask_truncated_completions) or its leaf sampled a non-finite logprob, only the node it ended in is left out:
+    the root and the child above it were sampled whole, and their siblings' paths answered."""
+    flags = ["num_generations=8", "branch_width=2", "branch_depth=2", "advantage_mode=tree"]
+    env = make_env(tok, tmp_path, *flags, "mask_truncated_completions=true")
+    script = [tool_call("k1"), tool_call("k2"), "<reasoning>r</reasoning>\n<answer>v</answer>"]
+    sampler = ByTurn(tok, [tok.encode(t, add_special_tokens=False) for t in script], "<|im_start|>assistant")
+    eps = env.rollout([{"prompt": "What is k1?", "key": "k1", "answer": "v"}] * 2, sampler)
+    holder = eps[0]
+    assert holder.node == (0, 0, 0) and holder.turn_nodes == [(0,), (0, 0), (0, 0, 0)]
+    if fault == "non-finite":
+        leaf = holder.samples[-1]
+        leaf.sampler_logprobs[leaf.turn_idx.index(2)] = float("nan")
+    else:
+        holder.end_reason = fault
+    samples, rejected = M.trainable_samples(eps, env.cfg)
+    assert rejected == (fault == "non-finite")
+    trained = collections.Counter()
+    for s in samples:
+        for t, m in zip(s.turn_idx, s.loss_mask):
+            trained[t] += m
+    sent = [len(ids) for ids in sampler.script]
+    # every turn of every node once, but the leaf (0, 0, 0)'s last turn: 2 roots, 4 children, 8 leaves less one
+    assert [trained[0], trained[1], trained[2]] == [2 * sent[0], 4 * sent[1], 7 * sent[2]]
+    assert all(math.isfinite(x) for s in samples for x in s.sampler_logprobs), "a NaN times mask 0 is still NaN"
 
 
 class ByTurn(ScriptedSampler):
