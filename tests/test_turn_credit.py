@@ -1,16 +1,20 @@
 """Turn-level credit for any number of turns: per-turn rewards, the advantage modes on hand-built groups, branching
-rollouts (each sampled token trained once, by one path), and unbiasedness against the exact policy gradient of a small
-MDP whose policy decides when to stop, with the per-turn-index construction as the counterexample."""
+rollouts (each sampled token trained once, by one path, and kept when a path below it is cut), and unbiasedness: the
+expected update through the trainer's own path (assign_advantages -> trainable_samples -> grpo_loss, and
+train_on_samples for the node weights) against the exact policy gradient of small decision processes
+(bench/credit_snr.py), every tree enumerated, with the per-turn-index construction as the counterexample."""
 
 import collections
 import json
 import math
 import os
+import types
 
 import numpy as np
 import pytest
 import torch
 
+import bench.credit_snr as CS
 import mt_grpo_trainer as M
 import check_template as CT
 from test_env import ScriptedSampler, make_env, tool_call
@@ -278,87 +282,37 @@ def test_branching_settings_that_cannot_work_are_one_line(overrides, message):
         M.load_config(None, overrides)
 
 
-# --- unbiasedness: a small MDP whose exact policy gradient we know
-
-# Decision states: start, found, miss (after a search). Answer: the outcome is 1 with probability KNOWN once found,
-# GUESS otherwise; search: the result holds the answer with probability P_FOUND, which the turn reward pays (R_FOUND),
-# less R_SEARCH a search. After two searches the episode must answer. The policy decides when to stop.
-P_FOUND, GUESS, KNOWN, R_FOUND, R_SEARCH = 0.5, 0.3, 0.9, 0.3, -0.1
-STATES = ["start", "found", "miss"]
-THETA = np.array([[0.2, 0.3], [0.5, -0.2], [-0.3, 0.4]])  # logits of (answer, search) in each decision state
+# --- unbiasedness: exact expected gradients of small decision processes (bench/credit_snr.py), every tree enumerated,
+# through the trainer's own path. Each decision is one token of a tabular softmax policy.
 
 
-def exact_gradient(theta):
-    th = torch.tensor(theta, requires_grad=True)
-    pi = torch.softmax(th, -1)
-
-    def value(state, searches):
-        answer = KNOWN if state == "found" else GUESS
-        if searches == 2:
-            return torch.tensor(answer, dtype=torch.float64)
-        p_answer, p_search = pi[STATES.index(state)]
-        found = R_SEARCH + value("found", searches + 1)
-        if state != "found":
-            found = P_FOUND * (found + R_FOUND) + (1 - P_FOUND) * (R_SEARCH + value("miss", searches + 1))
-        return p_answer * answer + p_search * found
-
-    value("start", 0).backward()
-    return th.grad.numpy().ravel()
+def expected_gradient(name: str, mode: str, roots: int, b: int, depth: int, scale: bool = False):
+    """E[g] over every tree of one prompt (its roots' multisets, with their probabilities), each tree's g through
+    assign_advantages -> trainable_samples -> collate -> grpo_loss; and the exact gradient of the expected return."""
+    proc, theta = CS.PROCESSES[name](), CS.THETA[name]
+    trees = CS.groups(proc, theta, roots, b, depth)
+    g, _ = CS.estimates(proc, theta, CS.config(mode, roots * b**depth, b, depth, scale), trees)
+    return np.array([p for p, _ in trees]) @ g, CS.exact_gradient(proc, theta)
 
 
-def sample_tree(pi, rng, roots, b, depth):
-    """One prompt's rollouts as the trainer runs them: each root runs turn by turn; with b > 1, at its first `depth`
-    tool results a path goes on b ways from the same state. Leaves: (node, [(turn node, reward, grad log pi)], outcome)."""
-    leaves = []
-
-    def run(node, state, searches, turns):
-        while True:
-            s = STATES.index(state)
-            search = searches < 2 and rng.random() < pi[s, 1]
-            grad = np.zeros_like(pi)
-            if searches < 2:
-                grad[s] -= pi[s]
-                grad[s, int(search)] += 1
-            if not search:
-                outcome = float(rng.random() < (KNOWN if state == "found" else GUESS))
-                return leaves.append((node, turns + [(node, 0.0, grad)], outcome))
-            found = state == "found" or rng.random() < P_FOUND
-            turns = turns + [(node, R_SEARCH + (R_FOUND if found and state != "found" else 0.0), grad)]
-            state, searches = "found" if found else "miss", searches + 1
-            if b > 1 and len(node) <= depth:
-                return [run(node + (j,), state, searches, turns) for j in range(b)]
-
-    for i in range(roots):
-        run((i,), "start", 0, [])
-    return leaves
-
-
-def gradient_estimate(mode, roots, b, depth, draws, weighted=True, seed=0):
-    """The trainer's estimator: each node's turns once, with the node's advantage and weight, over G. Its mean over
-    `draws` prompts, and the standard error of that mean."""
-    rng, pi = np.random.default_rng(seed), np.exp(THETA) / np.exp(THETA).sum(-1, keepdims=True)
-    G = roots * (b**depth if b > 1 else 1)
-    cfg = M.Config(num_generations=G, branch_width=b, branch_depth=depth, scale_rewards=False)
-    draws_g = []
-    for _ in range(draws):
-        leaves = sample_tree(pi, rng, roots, b, depth)
-        eps = [episode(len(t), node=n, turn_nodes=[x[0] for x in t]) for n, t, _ in leaves]
-        advantages = M.ADVANTAGE_MODES[mode](
-            eps, [[x[1] for x in t] for _, t, _ in leaves], [o for *_, o in leaves], cfg
-        )
-        g, seen = np.zeros_like(pi), set()
-        for (_, turns, _), adv in zip(leaves, advantages):
-            for k, ((node, _, grad), a) in enumerate(zip(turns, adv)):
-                if (node, k) not in seen:  # a shared turn is trained once
-                    seen.add((node, k))
-                    g += (M.node_weight(node, cfg) if weighted else 1.0) * a * grad
-        draws_g.append(g.ravel() / G)
-    draws_g = np.array(draws_g)
-    return draws_g.mean(0), draws_g.std(0, ddof=1) / np.sqrt(draws)
+@pytest.mark.parametrize(
+    "name, mode, roots, b, depth",
+    [
+        ("leaves", "tree", 2, 2, 2),  # a real decision at the leaves (answer or abstain) and at depth 0 and 1
+        ("leaves", "tree", 8, 1, 1),
+        ("leaves", "reward_to_go", 8, 1, 1),
+        ("stop", "tree", 2, 2, 1),  # the policy decides when to stop; random search results and outcomes
+        ("stop", "reward_to_go", 4, 1, 1),
+    ],
+)
+def test_the_expected_gradient_through_the_trainer_is_the_exact_gradient(name, mode, roots, b, depth):
+    """Exact enumeration, so the tolerance is float32's: any bias, a 10% one by far, fails."""
+    mean, exact = expected_gradient(name, mode, roots, b, depth)
+    assert np.abs(mean - exact).max() < 1e-5 * np.abs(exact).max(), (mean / exact).round(4)
 
 
 def per_turn_index(episodes, turn_R, outcome_R, cfg):
-    """verl RFC 7244's construction: each turn's reward (the outcome added to the last turn's) normalised across the
+    """verl RFC 7244's construction: each turn's reward (the outcome added to the last turn's) centred across the
     group's episodes that have that turn, then summed from turn t on. Its baseline for turn t has as many terms as the
     episode has turns left, so it depends on when the episode itself stopped."""
     rewards = [list(r[: len(ep.turns)]) for ep, r in zip(episodes, turn_R)]
@@ -368,24 +322,80 @@ def per_turn_index(episodes, turn_R, outcome_R, cfg):
     return [[sum(r[k] - means[k] for k in range(t, len(r))) for t in range(len(r))] for r in rewards]
 
 
-@pytest.mark.parametrize(
-    "mode, roots, b, depth",
-    [("tree", 2, 2, 2), ("tree", 8, 1, 1), ("reward_to_go", 8, 1, 1)],
-    ids=["tree-branching", "tree-no-branching", "reward-to-go"],
-)
-def test_the_estimators_mean_gradient_is_the_exact_gradient(mode, roots, b, depth):
-    mean, se = gradient_estimate(mode, roots, b, depth, draws=3000)
-    z = (mean - exact_gradient(THETA)) / se
-    assert np.abs(z).max() < 4, f"{mode}: mean gradient off by {z.round(1)} standard errors"
-
-
-def test_the_per_turn_index_construction_is_biased_and_so_is_branching_without_node_weights(monkeypatch):
-    """The documented counterexamples: normalising per turn index (verl RFC 7244) shifts the gradient by tens of
-    standard errors when the policy decides when to stop; training shared nodes once without their weight reweighs
-    the turns by depth."""
+def test_the_per_turn_index_construction_is_biased(monkeypatch):
+    """The documented counterexample: normalising per turn index shifts the gradient when the policy decides when to
+    stop."""
     monkeypatch.setitem(M.ADVANTAGE_MODES, "per_turn_index", per_turn_index)
-    exact = exact_gradient(THETA)
-    mean, se = gradient_estimate("per_turn_index", 8, 1, 1, draws=1000)
-    assert np.abs((mean - exact) / se).max() > 20
-    mean, se = gradient_estimate("tree", 2, 2, 2, draws=3000, weighted=False)
-    assert np.abs((mean - exact) / se).max() > 6
+    mean, exact = expected_gradient("stop", "per_turn_index", 4, 1, 1)
+    assert np.linalg.norm(mean - exact) > 0.2 * np.linalg.norm(exact)
+
+
+class Tabular(torch.nn.Module):
+    """A language model that is a table: after a state token, the two action tokens' logits are that state's row of
+    theta (a forced state's: action 0 surely); every other logit is -1e9."""
+
+    def __init__(self, proc: dict, theta):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.tensor(theta, dtype=torch.float64))
+        self.rows = len(proc["rows"])
+
+    def forward(self, input_ids, attention_mask=None):
+        forced = torch.tensor([[0.0, -1e9]], dtype=torch.float64)
+        after_action = torch.zeros(2, 2, dtype=torch.float64)  # what follows an action token is never trained
+        actions = torch.cat([self.theta, forced, after_action])  # [vocab, 2]
+        logits = torch.cat([torch.full((len(actions), self.rows + 1), -1e9, dtype=torch.float64), actions], 1)
+        return types.SimpleNamespace(logits=logits[input_ids])
+
+
+def expected_update(monkeypatch, scale: bool = False, leaf_weight: float = 1.0, per_tree=lambda leaves: 1.0):
+    """E[g] of `tree` (2 roots, b = 2, depth 2: 8 leaves) on `leaves`, through train_on_samples, and the exact gradient.
+    Every tree of one prompt (676, as 351 multisets of its two roots) goes in one batch, its advantages multiplied by
+    its probability (at ratio 1 the loss is linear in them) and by per_tree(its leaves). train_on_samples divides by
+    the batch's weighted token count; the update is multiplied back by the test's own count: the tokens of each tree's
+    G root-to-leaf paths, a path that stopped early standing for the b^(depth + 1 - its branchings) leaves it would
+    have had. leaf_weight multiplies the leaves' node weight, as a broken trainer would."""
+    proc, theta = CS.leaves_process(), CS.THETA["leaves"]
+    cfg = CS.config("tree", 8, 2, 2, scale)
+    cfg.max_grad_norm, cfg.micro_batch_size = 0.0, 10**6
+    weight = M.node_weight
+    monkeypatch.setattr(M, "node_weight", lambda node, c: weight(node, c) * (leaf_weight if len(node) == 3 else 1.0))
+    samples, path_tokens = [], 0
+    for p, leaves in CS.groups(proc, theta, 2, 2, 2):
+        eps, turn_R, outcome_R = CS.episodes_of(proc, theta, leaves, 0)
+        M.assign_advantages(eps, turn_R, outcome_R, cfg)
+        for s in (s for ep in eps for s in ep.samples):
+            s.advantages = [a * p * per_tree(leaves) for a in s.advantages]
+        samples += M.trainable_samples(eps, cfg)[0]
+        path_tokens += sum(len(turns) * 2 ** (3 - len(node)) for node, turns, _ in leaves)
+    monkeypatch.setattr(M, "node_weight", weight)
+    model = Tabular(proc, theta)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    M.train_on_samples(model, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1), samples, cfg, 0)
+    return -model.theta.grad.numpy().ravel() * path_tokens / 8, CS.exact_gradient(proc, theta)
+
+
+def test_node_weights_reach_the_update_through_train_on_samples(monkeypatch):
+    """Branching trains a shared node's tokens once, weighted by the leaves it stands for, in the loss's mask and in
+    its token count. Through train_on_samples E[g] is the exact gradient; leaf weights of 0 or x7 are biased by far
+    more than 10%."""
+    mean, exact = expected_update(monkeypatch)
+    assert np.abs(mean - exact).max() < 1e-4 * np.abs(exact).max(), (mean / exact).round(4)
+    for broken in (0.0, 7.0):
+        mean, _ = expected_update(monkeypatch, leaf_weight=broken)
+        assert np.linalg.norm(mean - exact) > 0.1 * np.linalg.norm(exact), broken
+
+
+def path_returns_scale(leaves: list) -> float:
+    """The std of a tree's G path returns (turn rewards and outcome), which scale_rewards divides its update by."""
+    returns = [sum(t[3] for t in turns) + outcome for _, turns, outcome in leaves]
+    return float(np.std(returns, ddof=1)) + 1e-4 if np.ptp(returns) > 1e-9 else 1.0
+
+
+def test_scale_rewards_divides_each_tree_by_its_returns_std_which_is_not_unbiased(monkeypatch):
+    """With scale_rewards each tree's update is the unscaled one over the std of its G path returns: that, exactly,
+    is what it gives in expectation, and it is not the policy gradient (docs/turn-credit.md sizes the distortion with
+    bench/credit_snr.py)."""
+    on, exact = expected_update(monkeypatch, scale=True)
+    want, _ = expected_update(monkeypatch, per_tree=lambda leaves: 1 / path_returns_scale(leaves))
+    np.testing.assert_allclose(on, want, rtol=1e-5)
+    assert np.linalg.norm(on - exact) > 0.1 * np.linalg.norm(exact)
