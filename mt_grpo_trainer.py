@@ -175,7 +175,9 @@ class Config:
     turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
-    """Divide group-centred rewards by the group std (False = centre only, as in Dr. GRPO)."""
+    """The paper's modes (mt_grpo, grpo_*): divide group-centred rewards by the group std (False = centre only, as in Dr. GRPO)."""
+    scale_returns: bool = False
+    """The per-turn modes (reward_to_go, tree): divide a group's advantages by the std of its returns (False = centre only: unbiased; docs/turn-credit.md measures what the division costs)."""
     # --- loss
     epsilon: Annotated[float, "[0, 1]"] = 0.2
     """PPO clip range below 1: ratios under 1 - epsilon are clipped."""
@@ -456,11 +458,13 @@ def leave_one_out(values) -> np.ndarray:
 
 
 def return_scale(turn_R, outcome_R, cfg: Config) -> float:
-    """With scale_rewards, the std of the group's returns (every turn reward and the outcome), which the per-turn modes
-    divide by, as GRPO divides by its rewards' std (so a step's size does not depend on the reward's units; like
-    GRPO's, the division is not unbiased); 1 without it, or when the returns do not spread."""
+    """With scale_returns, the std of the group's returns (every turn reward and the outcome), which the per-turn modes
+    divide by, as GRPO divides by its rewards' std; 1 without it, or when the returns do not spread. Off by default:
+    the division is not unbiased (it reweighs decisions by up to 1.3x against each other in bench/credit_snr.py's
+    processes), it raised the signal-to-noise per token in 2 of its 12 per-turn cases, and AdamW's step does not
+    depend on the reward's units anyway."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
-    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_rewards and spread(returns) else 1.0
+    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_returns and spread(returns) else 1.0
 
 
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -592,7 +596,7 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
     trained tokens over the kept samples (what sequence_mean divides by)."""
     kept, rejected = [], 0
     for ep in episodes:
-        nodes = collections.defaultdict(lambda: ep.node, enumerate(ep.turn_nodes))  # turn -> node (default: one)
+        nodes = collections.defaultdict(functools.partial(tuple, ep.node), enumerate(ep.turn_nodes))  # turn -> node
         cut = set()
         if cfg.mask_truncated_completions and ep.end_reason in ("truncated", "context"):
             cut.add(ep.node)  # the node the path ended in; its ancestors were sampled whole

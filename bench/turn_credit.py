@@ -34,13 +34,14 @@ from rewards.toy_chain_reward import hops  # noqa: E402
 
 RECIPE = "hf_recipes/toy/toy-chain--mt-grpo.yaml"
 HOP = "turn_reward_funcs=[rewards/toy_chain_reward.py:hop_reward]"
+SCALED = "scale_returns=true"  # the per-turn modes' default when these runs were measured
 METHODS = {
     "grpo_or": ("GRPO-OR", ["advantage_mode=grpo_outcome"]),
     "mt_grpo": ("MT-GRPO (one split)", ["advantage_mode=mt_grpo"]),
-    "reward_to_go": ("per-turn rewards, no branching", ["advantage_mode=reward_to_go", HOP]),
+    "reward_to_go": ("per-turn rewards, no branching", ["advantage_mode=reward_to_go", HOP, SCALED]),
     "tree": (
         "branching (b 2, depth 3, 32 leaves)",
-        ["advantage_mode=tree", HOP, "branch_width=2", "branch_depth=3", "num_generations=32"],
+        ["advantage_mode=tree", HOP, SCALED, "branch_width=2", "branch_depth=3", "num_generations=32"],
     ),
 }
 

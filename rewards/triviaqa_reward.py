@@ -30,6 +30,14 @@ it, up to the next assistant message. The functions above return one number per 
                                             tag once), -0.2 otherwise
 - search_penalty_turn_reward      -LAMBDA_S per search the turn made, so an episode's entries sum to
                                             -LAMBDA_S x its number of searches (keyword `lambda_s`)
+- tool_execution_turn_reward      [0, 0.2]  tool_execution_reward_func per turn: each turn gets 0.2 x its own
+                                            calls that succeeded / the episode's calls, so the entries sum to
+                                            the paper's number
+Where a number lands: the trainer puts a turn function's number on the turn that called the first tool. For
+`exist_answer_in_search_results`, which scores the first result, that is the turn it scores. For
+`tool_execution_reward_func`, a rate over every call, it is not: under `advantage_mode: tree` and `reward_to_go` a
+later turn would never be credited for its own calls. Use tool_execution_turn_reward there; mt_grpo and GRPO-MR
+sum a turn function's entries, so for them the two are the same up to float rounding.
 LAMBDA_S = 0.15, our choice: a well-formed search turn earns 0.1 of format, so a penalty above 0.1 makes a
 search that finds nothing cost something, and one below 0.2 leaves the search that finds the answer a clear
 gain (0.3 + 0.1 - 0.15). Another value: functools.partial(search_penalty_turn_reward, lambda_s=...).
@@ -248,6 +256,17 @@ def retrieval_turn_reward(completions, aliases=None, answer=None, **kwargs) -> l
             found = found or hit
             row.append(0.3 if hit else 0.0)
         out.append(row)
+    return out
+
+
+def tool_execution_turn_reward(completions, **kwargs) -> list[list[float]]:
+    """Per turn: 0.2 x (its tool calls that returned a non-error result) / (the episode's tool calls executed); the
+    entries sum to tool_execution_reward_func's number, and each sits on the turn whose calls earned it."""
+    out = []
+    for c in completions:
+        per_turn = [results for _, results in turns(c)]
+        calls = sum(map(len, per_turn))
+        out.append([0.2 * sum(not is_error(r) for r in results) / max(calls, 1) for results in per_turn])
     return out
 
 

@@ -103,6 +103,42 @@ def test_tool_errors_lower_the_execution_reward_and_an_error_result_finds_nothin
     assert r["exact_match_reward_func"] == [1.0, 0.0, 1.0]
 
 
+def test_the_execution_reward_per_turn_credits_each_turn_for_its_own_calls():
+    """tool_execution_reward_func's number is a rate over every call, and the trainer puts a number on the first
+    calling turn; the per-turn form puts each turn's share on that turn, and sums to the same number."""
+    ok = result("Doc 1 (Title: Sinclair Lewis)\nSinclair Lewis won the Nobel Prize in 1930.")
+    err = result("Error: ValueError: query must be a non-empty string")
+    late = [
+        {"role": "assistant", "content": call("")},
+        err,
+        {"role": "assistant", "content": call("x")},
+        ok,
+        answer("a"),
+    ]
+    early = [
+        {"role": "assistant", "content": call("x")},
+        ok,
+        {"role": "assistant", "content": call("")},
+        err,
+        answer("a"),
+    ]
+    no_tool = [answer("Sinclair Lewis")]
+    completions = [late, early, no_tool]
+    per_turn = R.tool_execution_turn_reward(completions)
+    assert per_turn == [[0.0, 0.1, 0.0], [0.1, 0.0, 0.0], [0.0]]
+    assert [sum(r) for r in per_turn] == pytest.approx(R.tool_execution_reward_func(completions))
+    eps = []
+    for c in completions:
+        n_turns = sum(m["role"] == "assistant" for m in c)
+        msgs = [{"role": "user", "content": "q"}] + c
+        ep = M.Episode(row={"prompt": "q"}, messages=msgs, n_prompt_messages=1, turns=[M.Turn(0, 1)] * n_turns)
+        ep.first_result_turn = 1 if n_turns > 1 else None
+        eps.append(ep)
+    number = M.score(eps, [R.tool_execution_reward_func], [1.0], per_turn=True)
+    assert number == [[pytest.approx(0.1), 0.0, 0.0], [pytest.approx(0.1), 0.0, 0.0], [0.0]], "on the first call"
+    assert M.score(eps, [R.tool_execution_turn_reward], [1.0], per_turn=True) == per_turn
+
+
 def test_the_search_reward_reads_the_first_result_only():
     hit, miss = result("Sinclair Lewis was born in Sauk Centre."), result("Upton Sinclair wrote The Jungle.")
     first = [

@@ -92,9 +92,10 @@ def test_reward_to_go_credits_a_turn_with_what_comes_after_it_against_the_other_
     returns = [1.2, 0.0, 1.3]
     others = [(sum(returns) - r) / 2 for r in returns]
     want = [[1.2 - others[0], 0.9 - others[0], 1.0 - others[0]], [0.0 - others[1]], [1.3 - others[2], 1.0 - others[2]]]
-    got = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config(scale_rewards=False))
+    got = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config(scale_returns=False))
     assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
-    scaled = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config())  # by the std of the group's returns
+    scaled = M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config(scale_returns=True))  # by the returns' std
+    assert M.ADVANTAGE_MODES["reward_to_go"](eps, turn_R, out, M.Config()) == got, "centred only by default"
     assert np.allclose([a for e in scaled for a in e], [a / (np.std(returns, ddof=1) + 1e-4) for e in want for a in e])
 
 
@@ -103,7 +104,7 @@ def test_returns_that_differ_by_a_float_residue_have_no_spread(mode):
     """0.1 + 0.2 against 0.3 differ by 5.6e-17: leave-one-out gives exactly zero, as group_normalize does, so
     filter_zero_spread_groups drops the group instead of training on a residue."""
     eps = [episode(1, node=(0,), turn_nodes=[(0,)]), episode(1, node=(1,), turn_nodes=[(1,)])]
-    got = M.ADVANTAGE_MODES[mode](eps, [[0.1], [0.0]], [0.2, 0.3], M.Config(scale_rewards=False))
+    got = M.ADVANTAGE_MODES[mode](eps, [[0.1], [0.0]], [0.2, 0.3], M.Config())
     assert got == [[0.0], [0.0]]
     assert list(M.leave_one_out([0.1 + 0.2, 0.3, 0.3])) == [0.0, 0.0, 0.0]
     assert list(M.leave_one_out([1.0, 0.0, 0.5])) == [0.75, -0.75, 0.0]
@@ -120,10 +121,11 @@ def test_tree_advantages_are_node_values_against_their_siblings():
     turn_R, out = [[0.3, 0.1], [0.3, 0.0], [0.0]], [1.0, 0.0, 1.0]
     q00, q01, q1 = 0.1 + 1.0, 0.0 + 0.0, 1.0
     q0 = 0.3 + (q00 + q01) / 2
-    got = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config(scale_rewards=False))
+    got = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config(scale_returns=False))
     want = [[q0 - q1, q00 - q01], [q0 - q1, q01 - q00], [q1 - q0]]
     assert np.allclose([a for e in got for a in e], [a for e in want for a in e])
-    scaled = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config())  # every node by one scale: the returns' std
+    scaled = M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config(scale_returns=True))  # one scale: the returns' std
+    assert M.ADVANTAGE_MODES["tree"](eps, turn_R, out, M.Config()) == got, "centred only by default"
     std = np.std([0.3 + 0.1 + 1.0, 0.3, 1.0], ddof=1) + 1e-4
     assert np.allclose([a for e in scaled for a in e], [a / std for e in want for a in e])
     # the node weights: a root stands for b^depth leaves, a child of depth 1 for b^(depth - 1)
@@ -391,8 +393,8 @@ def path_returns_scale(leaves: list) -> float:
     return float(np.std(returns, ddof=1)) + 1e-4 if np.ptp(returns) > 1e-9 else 1.0
 
 
-def test_scale_rewards_divides_each_tree_by_its_returns_std_which_is_not_unbiased(monkeypatch):
-    """With scale_rewards each tree's update is the unscaled one over the std of its G path returns: that, exactly,
+def test_scale_returns_divides_each_tree_by_its_returns_std_which_is_not_unbiased(monkeypatch):
+    """With scale_returns each tree's update is the unscaled one over the std of its G path returns: that, exactly,
     is what it gives in expectation, and it is not the policy gradient (docs/turn-credit.md sizes the distortion with
     bench/credit_snr.py)."""
     on, exact = expected_update(monkeypatch, scale=True)
