@@ -25,8 +25,10 @@ Reported, against the exact gradient g* of the expected return of one episode:
 - snr/1k: (E[g] . g*/|g*|) / sqrt(E|g - E[g]|^2), the signal along g* over the noise of one group, scaled to a budget
   of 1,000 sampled tokens (x sqrt(1000 / tokens a group samples)); the tokens a group samples are its decisions, a
   shared node's once;
-- tok: tokens a group samples; for `stop`, also E[g] / g* on the start state's answer logit (the stop decision) and on
-  the miss state's (the second decision).
+- tok: tokens a group samples;
+- E[g] / g* per decision: on each decision state's first logit (`stop`: start, found, miss; `hops`: hop 0-3;
+  `leaves`: start, mid, last); 1.00 everywhere is unbiased, and unequal ratios are a change of direction.
+"scale" is scale_rewards for the paper's modes and scale_returns for reward_to_go and tree.
 mt_grpo, grpo_outcome and grpo_merged are the paper's; they are not estimators of g* (GRPO-OR ignores turn rewards,
 MT-GRPO adds the turn advantage to the first turns' outcome one), and are shown for what their direction is worth.
 """
@@ -325,7 +327,7 @@ def measure(proc: dict, trees: list, cfg: M.Config) -> dict:
         "se": noise / math.sqrt(len(trees)) / np.linalg.norm(star) if drawn else 0.0,
         "snr": float(mean @ unit / noise * math.sqrt(1000 / (p @ tokens))),
         "tok": float(p @ tokens),
-        "ratio": mean / star,
+        "ratio": np.divide(mean, star, out=np.full_like(mean, np.nan), where=np.abs(star) > 1e-9),
     }
 
 
@@ -361,8 +363,8 @@ def main(argv=None):
         if exact:
             how = f"every tree: {len(trees)} multisets of the roots"
         print(f"\n{name}, {shape} ({how})\n", flush=True)
-        print("| mode | scale_rewards | cos | bias | snr/1k | tok | start | miss |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| mode | scale | cos | bias | snr/1k | tok | E[g] / g* per decision |")
+        print("|---|---|---|---|---|---|---|")
         modes = MODES
         if b > 1:
             modes = ["tree"]
@@ -371,12 +373,10 @@ def main(argv=None):
             bias = f"{r['bias']:.3f}"
             if r["se"]:
                 bias += f" ± {r['se']:.3f}"
-            ratios = ["", ""]
-            if name == "stop":
-                ratios = [f"{r['ratio'][0]:.2f}", f"{r['ratio'][4]:.2f}"]
+            ratios = " ".join(f"{x:.2f}" for x in r["ratio"][::2] if np.isfinite(x))
             on = "on" if scale else "off"
             print(
-                f"| {mode} | {on} | {r['cos']:.3f} | {bias} | {r['snr']:.1f} | {r['tok']:.1f} | {ratios[0]} | {ratios[1]} |"
+                f"| {mode} | {on} | {r['cos']:.4f} | {bias} | {r['snr']:.1f} | {r['tok']:.1f} | {ratios} |", flush=True
             )
     print(f"\n{time.time() - t0:.0f} s")
 
