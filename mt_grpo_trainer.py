@@ -1038,11 +1038,11 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             m.update({"rollout/rejected_nonfinite": rejected, "time/train": t_train, "time/step": time.time() - t0})
             run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
+            if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+                run.save(step + 1)
             if run.stop_requested():
                 run.save_and_stop(step + 1)
                 break
-            if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
-                save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
     finally:  # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
@@ -1145,6 +1145,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     start: int = 0  # the step the run starts from (a checkpoint's)
+    saved: dict[int, str] = field(default_factory=dict)  # step -> the checkpoint that holds it: resumed or saved
     env: MultiTurnToolEnv | None = None
     pad_id: int = 0  # the token that pads micro-batches
     sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
@@ -1271,12 +1272,16 @@ class Run:
                 "saving a checkpoint; Ctrl-C again aborts at once"
             )
 
+    def save(self, step: int) -> str:
+        """Save the weights after `step` steps; returns the checkpoint's path."""
+        path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        self.saved[step] = path
+        return path
+
     def save_and_stop(self, step: int):
-        """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
-        path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
-        saved = path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
-        if not saved:
-            path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps, unless this run already has
+        (save_steps, or the checkpoint it resumed); the loop ends there. What was saved decides, never arithmetic."""
+        path = self.saved.get(step) or self.save(step)
         self.say(
             f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
             f"{path}; continue with resume_from_checkpoint=auto"
@@ -1335,6 +1340,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
+        run.saved[run.start] = ckpt
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
