@@ -1097,7 +1097,7 @@ def main(argv=None):
         train(cfg, eval_only)
         if "RANK" in os.environ:  # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
             exit_now(0)
-    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
+    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError, CheckpointError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr)  # exit_now flushes
         exit_now(1)
@@ -2406,24 +2406,36 @@ def lr_lambda(cfg: Config):
 
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """Written by rank 0 to a temp folder, then renamed: a crash mid-save leaves the previous checkpoint as it was."""
+    """Written by rank 0 to a temp folder, then renamed: a save that fails (a full disk, a file-size limit) is one
+    line, its temp folder removed; a crash mid-save leaves checkpoint-N.tmp, which resume never reads. Either way
+    the earlier checkpoints are as they were."""
     model_sd, optim_sd = full_state(model, optimizer, cfg.fsdp)
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if dist.is_initialized() and dist.get_rank() != 0:
         return final
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=model_sd)
-    tokenizer.save_pretrained(tmp)
     state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
     state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:  # what resume verifies: every file, at its size
-        json.dump(sizes, f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        model.save_pretrained(tmp, state_dict=model_sd)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        # The rename makes the name atomic, not the data durable: after a power loss, or a copy cut short, the folder
+        # can hold short or missing files. Resume checks each against this list (the JSON files have no other check).
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(sizes, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except Exception as e:  # safetensors, torch and json each raise their own type for a failed write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not save {final} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); the earlier "
+            "checkpoints are as they were. Free space in output_dir (or raise the file-size limit), then continue "
+            "with resume_from_checkpoint=auto"
+        ) from None
     return final
 
 
@@ -2893,6 +2905,10 @@ def system_prompt_for(cfg: Config, tools: list) -> str:
 
 class TokenizationMismatch(RuntimeError):
     pass
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written: the run stops (its earlier checkpoints stand)."""
 
 
 class SyncCheckError(RuntimeError):
