@@ -1836,6 +1836,8 @@ class VLLMServerClient:
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
+        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by run.sh's front (vllm_front.py)
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
         self.sessions: collections.OrderedDict = collections.OrderedDict()  # session -> its server, oldest use first
@@ -1864,6 +1866,7 @@ class VLLMServerClient:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
                     self.local.session.trust_env = False  # no proxy or .netrc lookups per request: the server is ours
+                    self.local.session.headers.update(self.auth)
                 timeout = max(0.1, min(self.cfg.request_timeout, end - time.monotonic()))
                 r = self.local.session.request(method, server.url + path, timeout=timeout, **kw)
                 if r.status_code >= 500 and retry_5xx:
@@ -1895,7 +1898,7 @@ class VLLMServerClient:
                 return s.down_since is None
             s.checked = time.monotonic()
         try:
-            return requests.get(s.url + "/health", timeout=2.0).status_code == 200
+            return requests.get(s.url + "/health", headers=self.auth, timeout=2.0).status_code == 200
         except requests.RequestException as e:
             return isinstance(e, requests.ReadTimeout)
 
