@@ -1075,11 +1075,11 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             m.update({"rollout/rejected_nonfinite": rejected, "time/train": t_train, "time/step": time.time() - t0})
             run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
+            if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
+                run.save(step + 1)
             if run.stop_requested():
                 run.save_and_stop(step + 1)
                 break
-            if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
-                save_checkpoint(cfg, step + 1, run.model, run.tokenizer, run.optimizer, run.scheduler)
     finally:  # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
@@ -1134,7 +1134,7 @@ def main(argv=None):
         train(cfg, eval_only)
         if "RANK" in os.environ:  # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
             exit_now(0)
-    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError) as e:
+    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError, CheckpointError) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr)  # exit_now flushes
         exit_now(1)
@@ -1182,6 +1182,7 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     start: int = 0  # the step the run starts from (a checkpoint's)
+    saved: dict[int, str] = field(default_factory=dict)  # step -> the checkpoint that holds it: resumed or saved
     env: MultiTurnToolEnv | None = None
     pad_id: int = 0  # the token that pads micro-batches
     sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
@@ -1308,12 +1309,16 @@ class Run:
                 "saving a checkpoint; Ctrl-C again aborts at once"
             )
 
+    def save(self, step: int) -> str:
+        """Save the weights after `step` steps; returns the checkpoint's path."""
+        path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        self.saved[step] = path
+        return path
+
     def save_and_stop(self, step: int):
-        """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps; the loop ends there."""
-        path, every = os.path.join(self.cfg.output_dir, f"checkpoint-{step}"), self.cfg.save_steps
-        saved = path == os.path.abspath(self.src) or step > self.start and every and step % every == 0
-        if not saved:
-            path = save_checkpoint(self.cfg, step, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        """SIGTERM or a first Ctrl-C, on any rank: save the weights after `step` steps, unless this run already has
+        (save_steps, or the checkpoint it resumed); the loop ends there. What was saved decides, never arithmetic."""
+        path = self.saved.get(step) or self.save(step)
         self.say(
             f"\n[mt-grpo] {self.stop_signal or 'a signal on another rank'}: stopped after step {step} and saved "
             f"{path}; continue with resume_from_checkpoint=auto"
@@ -1372,6 +1377,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
+        run.saved[run.start] = ckpt
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
@@ -1867,6 +1873,8 @@ class VLLMServerClient:
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
+        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by run.sh's front (vllm_front.py)
+        self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
         self.sessions: collections.OrderedDict = collections.OrderedDict()  # session -> its server, oldest use first
@@ -1895,6 +1903,7 @@ class VLLMServerClient:
                 if not hasattr(self.local, "session"):
                     self.local.session = requests.Session()
                     self.local.session.trust_env = False  # no proxy or .netrc lookups per request: the server is ours
+                    self.local.session.headers.update(self.auth)
                 timeout = max(0.1, min(self.cfg.request_timeout, end - time.monotonic()))
                 r = self.local.session.request(method, server.url + path, timeout=timeout, **kw)
                 if r.status_code >= 500 and retry_5xx:
@@ -1926,7 +1935,7 @@ class VLLMServerClient:
                 return s.down_since is None
             s.checked = time.monotonic()
         try:
-            return requests.get(s.url + "/health", timeout=2.0).status_code == 200
+            return requests.get(s.url + "/health", headers=self.auth, timeout=2.0).status_code == 200
         except requests.RequestException as e:
             return isinstance(e, requests.ReadTimeout)
 
@@ -2437,24 +2446,36 @@ def lr_lambda(cfg: Config):
 
 
 def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, scheduler):
-    """Written by rank 0 to a temp folder, then renamed: a crash mid-save leaves the previous checkpoint as it was."""
+    """Written by rank 0 to a temp folder, then renamed: a save that fails (a full disk, a file-size limit) is one
+    line, its temp folder removed; a crash mid-save leaves checkpoint-N.tmp, which resume never reads. Either way
+    the earlier checkpoints are as they were."""
     model_sd, optim_sd = full_state(model, optimizer, cfg.fsdp)
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if dist.is_initialized() and dist.get_rank() != 0:
         return final
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=model_sd)
-    tokenizer.save_pretrained(tmp)
     state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
     state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:  # what resume verifies: every file, at its size
-        json.dump(sizes, f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        model.save_pretrained(tmp, state_dict=model_sd)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        # The rename makes the name atomic, not the data durable: after a power loss, or a copy cut short, the folder
+        # can hold short or missing files. Resume checks each against this list (the JSON files have no other check).
+        sizes = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(sizes, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except Exception as e:  # safetensors, torch and json each raise their own type for a failed write
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not save {final} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); the earlier "
+            "checkpoints are as they were. Free space in output_dir (or raise the file-size limit), then continue "
+            "with resume_from_checkpoint=auto"
+        ) from None
     return final
 
 
@@ -2924,6 +2945,10 @@ def system_prompt_for(cfg: Config, tools: list) -> str:
 
 class TokenizationMismatch(RuntimeError):
     pass
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written: the run stops (its earlier checkpoints stand)."""
 
 
 class SyncCheckError(RuntimeError):

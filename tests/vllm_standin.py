@@ -979,6 +979,7 @@ class StandinServer:
 def main():
     ap = argparse.ArgumentParser(description="Serve a vLLM 0.32 stand-in until Ctrl-C.")
     ap.add_argument("--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1"], help="it listens on loopback only")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--served-model-name")
