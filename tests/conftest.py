@@ -5,6 +5,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -88,6 +89,17 @@ def moving_run(tmp_path, model_dir) -> list[str]:
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
     return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
+
+
+HANG_S = 120  # a deadline that only catches a hang: no test waits on the machine's speed, only on an event
+
+
+def until(condition, what: str, hang_s: float = HANG_S):
+    """Wait for an event (`condition()` true), polling; failing after hang_s seconds says the event never came."""
+    deadline = time.monotonic() + hang_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {hang_s:.0f} s (a hang)"
+        time.sleep(0.01)
 
 
 def recipe_cfg(tmp_path, *overrides):
