@@ -53,8 +53,6 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
     rows = [{"prompt": "what is alpha?", "key": "alpha", "value": "x"}] * 4 + [
         {"prompt": "what is bravo?", "key": "bravo", "value": "y"}
     ] * 4
-    parsed, parse = [], client.completion  # every completion the client made of a reply, as it returned it
-    client.completion = lambda c, version, url: parsed.append(out := parse(c, version, url)) or out
     eps = env.rollout(rows, client)
     reqs = completions(server)
     first = reqs[:2]
@@ -65,15 +63,46 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
         assert all(isinstance(t, int) for t in b["prompt"]) and b["cache_salt"] == f"{client.run_tag}-v0"
         assert b["stop"] == ["</tool>", "</answer>"] and b["stop_token_ids"] == [tok.eos_token_id]
         assert b["top_k"] == 0 and b["temperature"] == cfg.temperature
-    # I1: the trained tokens are exactly the ids the server returned, after exactly the prompt it got
-    sent = {tuple(r["body"]["prompt"]) for r in reqs}
+    assert_trained_what_the_server_sent(eps, server)
+
+
+def server_sent(server) -> list[tuple[list[int], list[float]]]:
+    """Every choice's token_ids and logprobs as they were in the stand-in's raw replies (not as the client read them)."""
+    choices = [c for reply in server.replies for c in reply["choices"]]
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def assert_trained_what_the_server_sent(eps, server):
+    """I1 through the server: each trained turn is exactly one raw reply's token ids (with its logprobs), after
+    exactly a prompt the server got, and only those ids are trained."""
+    prompts = {tuple(r["body"]["prompt"]) for r in completions(server)}
+    sent = server_sent(server)
     for ep in eps:
         for t in ep.turns:
             s = next(s for s in ep.samples if len(s.input_ids) >= t.prompt_len + t.sampled_len)
-            assert tuple(s.input_ids[: t.prompt_len]) in sent
+            assert tuple(s.input_ids[: t.prompt_len]) in prompts
             span = slice(t.prompt_len, t.prompt_len + t.sampled_len)
-            assert (s.input_ids[span], s.sampler_logprobs[span]) in [(c.ids, c.logprobs) for c in parsed]
+            assert (s.input_ids[span], s.sampler_logprobs[span]) in sent
             assert s.loss_mask[span] == [1] * t.sampled_len
+
+
+def test_i1_keeps_the_stop_string_and_eos_tokens_the_server_sent(tok, tmp_path):
+    """Replies that end in a stop string's tokens (a tool call) and in EOS (the answer): vLLM's token_ids keep both,
+    and so must the trained ids. Checked against the raw replies, so a client that drops a stop token is caught."""
+    from bench.rollout_throughput import scripted_backend
+    from tools.kv_lookup import lookup
+
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with StandinServer(backend=scripted_backend(tok), vocab_size=len(tok), max_model_len=4096) as srv:
+        cfg = recipe_cfg(tmp_path, f"vllm_server_url={srv.url}", "max_seq_len=4096", "tokenization_check=off")
+        client = M.VLLMServerClient(cfg, len(tok), {eos})
+        env = M.MultiTurnToolEnv(tok, [lookup], cfg)
+        eps = env.rollout([{"prompt": 'What is "k"?', "key": "alpha", "answer": "x"}] * 2, client)
+        sent = server_sent(srv)
+        assert any(ids[-1] == eos for ids, _ in sent), "some reply ends in EOS"
+        assert any(tok.decode(ids).endswith("</tool>") for ids, _ in sent), "some reply ends in a stop string"
+        assert all(len(ep.turns) == 3 for ep in eps)
+        assert_trained_what_the_server_sent(eps, srv)
 
 
 def test_max_tokens_is_clamped_to_the_servers_context(tiny_model_dir, tmp_path):
