@@ -7,7 +7,6 @@ import pytest
 import requests
 import torch
 
-import mt_grpo_trainer as M
 from conftest import until
 from vllm_standin import StandinServer
 
@@ -101,7 +100,8 @@ def test_completion_schema_real_token_ids_and_logprobs(srv, tiny, tok):
     assert c["logprobs"]["top_logprobs"][0] == {c["logprobs"]["tokens"][0]: lps[0]}
     full = torch.tensor([p + ids])  # logprobs are the model's, at the sampling temperature
     with torch.no_grad():
-        ref = M.token_logprobs(model, full, torch.ones_like(full), 1.0)[0][len(p) :].tolist()
+        logits = model(input_ids=full).logits[0, len(p) - 1 : -1].float()  # directly, not the trainer's function
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1).tolist()
     torch.testing.assert_close(lps, ref, rtol=0, atol=1e-4)
     assert out["usage"] == {
         "prompt_tokens": len(p),
