@@ -91,7 +91,9 @@ def moving_run(tmp_path, model_dir) -> list[str]:
     return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
 
 
-HANG_S = 120  # a deadline that only catches a hang: no test waits on the machine's speed, only on an event
+# A deadline that only catches a hang: no test waits on the machine's speed, only on an event. tests/mutations.py
+# shortens it, so that a deliberate bug that hangs a test fails it soon.
+HANG_S = float(os.environ.get("MTGRPO_TEST_HANG_S", 120))
 
 
 def until(condition, what: str, hang_s: float = HANG_S):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import recipe_cfg
+from conftest import HANG_S, recipe_cfg
 from tools.kv_lookup import TABLE
 
 
@@ -254,14 +254,14 @@ def test_no_room_after_a_tool_result_rolls_the_prompt_back(tok, tmp_path):
 
 def test_a_hanging_tool_is_cut_off_at_tool_timeout(tok, tmp_path):
     """An event, not a clock: the tool blocks until the test releases it, so the rollout returning at all, with the
-    tool still blocked, shows it was cut off (the tool's own deadline, far off, only ends a hang)."""
+    tool still blocked, shows it was cut off (the tool's own deadline, HANG_S, only ends a hang)."""
     import threading
 
     release, returned = threading.Event(), []
 
     def slow(key: str) -> str:
         """Never answers in time."""
-        release.wait(timeout=600)
+        release.wait(timeout=HANG_S)
         returned.append(key)
         return "late"
 
