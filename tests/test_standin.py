@@ -1,7 +1,6 @@
 """The vLLM 0.33 stand-in itself: response shapes, real tokens and logprobs, stops, errors, faults, dev routes."""
 
 import concurrent.futures
-import time
 
 import pytest
 import requests
@@ -299,11 +298,8 @@ def test_requests_are_batched(srv):
     post(srv, "/pause", params={"mode": "keep"})
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futs = [pool.submit(complete, srv, prompt=[5, 6], max_tokens=4) for _ in range(16)]
-        for _ in range(200):
-            if srv.pending() == 16:
-                break
-            time.sleep(0.02)
-        assert srv.pending() == 16 and not any(f.done() for f in futs)
+        until(lambda: srv.pending() == 16, "16 requests queued")
+        assert not any(f.done() for f in futs)
         b0 = srv.engine_batches
         post(srv, "/resume")
         assert all(f.result(timeout=T).status_code == 200 for f in futs)
@@ -321,10 +317,7 @@ def test_pause_abort_reports_queued_requests_as_aborted(srv):
     post(srv, "/pause", params={"mode": "keep"})
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(complete, srv, prompt=[5, 6], max_tokens=4, n=2, return_token_ids=True) for _ in range(2)]
-        for _ in range(200):
-            if srv.pending() == 2:
-                break
-            time.sleep(0.02)
+        until(lambda: srv.pending() == 2, "2 requests queued")
         post(srv, "/pause", params={"mode": "abort"})
         outs = [f.result(timeout=T).json() for f in futs]
     assert all(c["finish_reason"] == "abort" and c["token_ids"] == [] for o in outs for c in o["choices"])
