@@ -205,7 +205,8 @@ def run_tests(project: str, tests: list[str]) -> tuple[str, float, str]:
         out, _ = p.communicate(timeout=LIMIT_S)
         result = {0: "SURVIVED", 1: "caught"}.get(p.returncode, f"error (pytest exit {p.returncode})")
     except subprocess.TimeoutExpired:
-        out, result = "", f"error (over {LIMIT_S} s)"
+        out = ""
+        result = f"error (over {LIMIT_S} s)"
     finally:
         with contextlib.suppress(ProcessLookupError):  # the whole group, however it ended: no server left behind
             os.killpg(p.pid, signal.SIGKILL)

@@ -71,9 +71,11 @@ def test_max_staleness_1_overlaps_rollout_and_update_and_bounds_staleness(
     """The overlap is an event, not a time: each update (but the last) waits until the producer has begun the next
     step's rollout, which only a producer running beside the update can do (run in turn, the run would hang, and
     `until` fails on a deadline that only catches a hang)."""
-    collect, started = M.collect, []
+    collect = M.collect
+    started = []  # the steps whose rollout began
     monkeypatch.setattr(M, "collect", lambda run, step: (started.append(step), collect(run, step))[1])
-    update, updates = M.train_on_samples, []
+    update = M.train_on_samples
+    updates = []
 
     def update_once_the_next_rollout_began(*a, **k):
         step = len(updates)  # collect's step of this update (0-based)

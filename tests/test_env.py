@@ -257,7 +257,8 @@ def test_a_hanging_tool_is_cut_off_at_tool_timeout(tok, tmp_path):
     tool still blocked, shows it was cut off (the tool's own deadline, HANG_S, only ends a hang)."""
     import threading
 
-    release, returned = threading.Event(), []
+    release = threading.Event()
+    returned = []
 
     def slow(key: str) -> str:
         """Never answers in time."""

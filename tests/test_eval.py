@@ -11,7 +11,8 @@ from tests.conftest import recipe_cfg
 
 
 def test_eval_command_runs_greedy_episodes_and_writes_the_table(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    calls, generate = [], M.LocalSampler.generate  # every batch the sampler drew: its model, prompts and completions
+    generate = M.LocalSampler.generate
+    calls = []  # every batch the sampler drew: its model, prompts and completions
 
     def recorded(self, prompts, *a, **k):
         out = generate(self, prompts, *a, **k)
