@@ -161,6 +161,12 @@ MUTATIONS = [
         ["tests/test_servers.py", "-k", "twice_the_sequences or slow_server"],
     ),
     Mutation(
+        "the client's workers are not daemons (exit waits for requests in flight)",
+        'threading.Thread(target=self.work, daemon=True, name="tool").start()',
+        'threading.Thread(target=self.work, daemon=False, name="tool").start()',
+        ["tests/test_vllm_client.py", "-k", "exiting_never"],
+    ),
+    Mutation(
         "a signal does not end the wait on a hanging reward function",
         "if stop_event is not None and stop_event.is_set():",
         "if False:",

@@ -14,7 +14,7 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from tests.conftest import HANG_S, moving_run, recipe_cfg
+from tests.conftest import HANG_S, moving_run, recipe_cfg, until
 from tests.vllm_standin import StandinServer
 
 
@@ -330,22 +330,29 @@ def test_a_lora_sync_and_the_other_ranks_change_only_the_version_and_pause_nothi
 
 def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     """A run that stops on an error while requests are in flight exits at once: the client's workers are
-    daemons, so the interpreter does not wait out their request_timeout."""
+    daemons, so the interpreter does not wait out their request_timeout. Events, not a clock: the server holds the
+    request (it never answers), the script exits once the request is held, and the exit must come within HANG_S,
+    a deadline that only catches a hang: waiting out request_timeout (600 s) would overrun it."""
     import subprocess
 
-    server.faults.set_latency(30)
+    server.faults.hold()
     script = (
-        f"import sys, threading, time\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
+        f"import sys, threading\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
         f"cfg = M.load_config(None, ['vllm_server_url={server.url}', 'output_dir={tmp_path}/run'])\n"
         "c = M.VLLMServerClient(cfg, 100)\n"
         "threading.Thread(target=c.generate, args=([[5, 6, 7]], [4]), daemon=True).start()\n"
-        "time.sleep(1)\nsys.exit(3)\n"
+        "sys.stdin.readline()\nsys.exit(3)\n"
     )
-    t = time.time()
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3, r.stderr[-1000:]
-    assert time.time() - t < 15, "exit waited for the in-flight request"
-    server.faults.set_latency(0)
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: server.faults.busy() == 1 or p.poll() is not None, "the request is in flight")
+        p.stdin.write("exit\n")
+        p.stdin.flush()
+        err = p.communicate(timeout=HANG_S)[1]
+    finally:
+        p.kill()
+        server.faults.release()
+    assert p.returncode == 3, err[-1000:]
 
 
 def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(
