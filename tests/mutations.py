@@ -167,6 +167,12 @@ MUTATIONS = [
         ["tests/test_vllm_client.py", "-k", "exiting_never"],
     ),
     Mutation(
+        "reward_timeout never cuts a reward function off",
+        "err = reward_pool().wait(fut, timeout, stop_event)",
+        "err = reward_pool().wait(fut, math.inf, stop_event)",
+        ["tests/test_rewards.py", "-k", "never_returns"],
+    ),
+    Mutation(
         "a signal does not end the wait on a hanging reward function",
         "if stop_event is not None and stop_event.is_set():",
         "if False:",
