@@ -2,8 +2,9 @@
 moves an earlier one aside; a second run on a held output_dir is refused (a dead run's lock is taken over); an
 output_dir that cannot be written is one line; a tool that changes the working folder moves no run file.
 Resuming: a resumed run equals an unbroken one down to the weights; a changed optimiser or schedule applies; a
-missing checkpoint is named; after a hard kill the run continues from the last checkpoint; a truncated, corrupt or
-incomplete checkpoint is skipped (auto) or named, also one saved before the manifest; a torn last log line is dropped.
+missing checkpoint is named; after a hard kill the run continues from the last checkpoint, with an unbroken run's
+weights and AdamW state; a truncated, corrupt or incomplete checkpoint is skipped (auto) or named, also one saved
+before the manifest; a torn last log line is dropped.
 (LoRA checkpoints: test_lora.py; resuming with max_staleness: test_async.py.)"""
 
 import dataclasses
