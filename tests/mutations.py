@@ -240,7 +240,9 @@ def main(argv: list[str]) -> int:
             base = ""
             if baseline:
                 base, _, tail = run_tests(project, m.tests)
-                base = "passes" if base == "SURVIVED" else base
+                base = {"SURVIVED": "passes", "caught": "FAILS"}.get(base, base)  # FAILS: "caught" below means nothing
+                if base != "passes":
+                    print(f"unmutated, {m.name}: {base}\n{tail}", flush=True)
             found = original.count(m.old)
             if found != 1:
                 rows.append((m, f"stale (snippet found {found} times)", 0.0, base))

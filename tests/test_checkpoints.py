@@ -227,7 +227,8 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_
 
 def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_dir, tmp_path):
     """SIGKILL at whatever step the run reached (a checkpoint every 2 steps; checkpoint-4 is the event waited for, its
-    deadline only catches a hang), then resume: the next step's weights and AdamW state equal an unbroken run's."""
+    deadline of 300 s only catches a hang: the run's 4 steps take seconds, and its own start-up, not an event of
+    this process, is in it), then resume: the next step's weights and AdamW state equal an unbroken run's."""
     run = tmp_path / "run"
     cfg = run_cfg(tmp_path, tiny_model_dir, "run", "save_steps=2")  # rewards that move the weights every step
     args = [TOY] + [f"{f.name}={getattr(cfg, f.name)}" for f in fields_set(cfg)]
@@ -237,7 +238,7 @@ def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_
         stderr=subprocess.DEVNULL,
     )
     try:
-        until(lambda: (run / "checkpoint-4").is_dir() or p.poll() is not None, "checkpoint-4 saved")
+        until(lambda: (run / "checkpoint-4").is_dir() or p.poll() is not None, "checkpoint-4 saved", hang_s=300)
         assert p.poll() is None, "the run ended before it was killed"
     finally:
         p.send_signal(signal.SIGKILL)  # no handler runs: a crash
