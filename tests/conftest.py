@@ -6,6 +6,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +90,19 @@ def moving_run(tmp_path, model_dir) -> list[str]:
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(tmp_path / "random")
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path / "random")
     return [f"turn_reward_funcs=[{reward}:alternating]", f"model_name_or_path={tmp_path / 'random'}"]
+
+
+# A deadline that only catches a hang: no test waits on the machine's speed, only on an event. tests/mutations.py
+# shortens it, so that a deliberate bug that hangs a test fails it soon.
+HANG_S = float(os.environ.get("MTGRPO_TEST_HANG_S", 120))
+
+
+def until(condition, what: str, hang_s: float = HANG_S):
+    """Wait for an event (`condition()` true), polling; failing after hang_s seconds says the event never came."""
+    deadline = time.monotonic() + hang_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {hang_s:.0f} s (a hang)"
+        time.sleep(0.01)
 
 
 def recipe_cfg(tmp_path, *overrides):

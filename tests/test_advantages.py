@@ -22,10 +22,12 @@ def test_zero_spread_gives_zero_never_nan():
     assert np.all(M.group_normalize(residue) == 0)
 
 
-def test_one_outlier_gives_bounded_values():
+def test_one_outlier_gets_the_largest_value_a_z_scored_group_of_8_allows():
+    """By hand: the outlier lies 7d/8 above the mean and the 7 others d/8 below; the sample std (ddof=1) is d/sqrt(8).
+    So the outlier gets 7/sqrt(8) ~ 2.47, the most any member of a z-scored group of 8 can get ((G-1)/sqrt(G)), and
+    the others -1/sqrt(8). (rtol: the 1e-4 added to the std, about 5e-4 of it here.)"""
     a = M.group_normalize(list(np.float32([0.35] * 7 + [0.95])))
-    assert np.all(np.isfinite(a)) and np.abs(a).max() < 3  # at most sqrt(G-1) ~ 2.65 for G=8
-    assert np.allclose(a[:7], a[0]) and a[0] < 0 < a[7]
+    np.testing.assert_allclose(a, [-1 / np.sqrt(8)] * 7 + [7 / np.sqrt(8)], rtol=1e-3)
 
 
 def group(*turns_and_splits):
@@ -59,16 +61,23 @@ def test_modes_give_one_advantage_per_turn_split_at_the_first_tool_result():
         [1.0, 1.0, 0.0, 0.0],
         M.Config(turn_advantage_coef=0.5),
     )
-    a_o, a_t = M.group_normalize(out), M.group_normalize([1.0, 0.0, 1.0, 0.0])
+    # by hand, not by group_normalize: two 1s and two 0s z-score to +-0.5 / std, std (ddof=1) = sqrt(1/3); the
+    # merged returns [2, 1, 1, 0] to [1, 0, 0, -1] / sqrt(2/3) (each std plus group_normalize's 1e-4)
+    z = 0.5 / (np.sqrt(1 / 3) + 1e-4)
+    m = 1.0 / (np.sqrt(2 / 3) + 1e-4)
     eps = group(*GROUP)
-    before = a_o + 0.5 * a_t
-    want = [[before[0], a_o[0]], [before[1], a_o[1], a_o[1]], [before[2]], [before[3]]]
-    assert M.ADVANTAGE_MODES["mt_grpo"](eps, turn, out, cfg) == want  # exact: today's numbers
-    assert M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(a_o, GROUP)]
-    merged = M.group_normalize(np.add([1.0, 0.0, 1.0, 0.0], out))
-    assert M.ADVANTAGE_MODES["grpo_merged"](eps, turn, out, cfg) == [[a] * n for a, (n, _) in zip(merged, GROUP)]
+    # outcome [z, z, -z, -z]; first-turn rewards [1, 0, 1, 0] -> [z, -z, z, -z], at coef 0.5 before the first result
+    want = [[1.5 * z, z], [0.5 * z, z, z], [-0.5 * z], [-1.5 * z]]
+    assert_advantages(M.ADVANTAGE_MODES["mt_grpo"](eps, turn, out, cfg), want)
+    assert_advantages(M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg), [[z] * 2, [z] * 3, [-z], [-z]])
+    assert_advantages(M.ADVANTAGE_MODES["grpo_merged"](eps, turn, out, cfg), [[m] * 2, [0.0] * 3, [0.0], [-m]])
     cfg.scale_rewards = False
     assert M.ADVANTAGE_MODES["grpo_outcome"](eps, turn, out, cfg)[0] == [0.5, 0.5]
+
+
+def assert_advantages(got, want):
+    assert [len(a) for a in got] == [len(a) for a in want], got
+    np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), rtol=1e-12, atol=1e-12)
 
 
 def test_a_tokens_advantage_is_its_turns():

@@ -3,10 +3,12 @@ runs out of room is one line and leaves the earlier checkpoints as they were; a 
 moves an earlier one aside; a second run on a held output_dir is refused (a dead run's lock is taken over); an
 output_dir that cannot be written is one line; a tool that changes the working folder moves no run file.
 Resuming: a resumed run equals an unbroken one down to the weights; a changed optimiser or schedule applies; a
-missing checkpoint is named; after a hard kill the run continues from the last checkpoint; a truncated, corrupt or
-incomplete checkpoint is skipped (auto) or named, also one saved before the manifest; a torn last log line is dropped.
+missing checkpoint is named; after a hard kill the run continues from the last checkpoint, with an unbroken run's
+weights and AdamW state; a truncated, corrupt or incomplete checkpoint is skipped (auto) or named, also one saved
+before the manifest; a torn last log line is dropped.
 (LoRA checkpoints: test_lora.py; resuming with max_staleness: test_async.py.)"""
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import mt_grpo_trainer as M
-from conftest import ROOT, TOY, cli, one_line_error, recipe_cfg
+from conftest import ROOT, TOY, cli, one_line_error, recipe_cfg, until
 from test_env import ScriptedSampler, tool_call
 from test_train import run_cfg
 
@@ -271,35 +273,52 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, tiny_model_
 
 
 def test_resume_after_a_hard_kill_continues_from_the_last_checkpoint(tiny_model_dir, tmp_path):
+    """SIGKILL at whatever step the run reached (a checkpoint every 2 steps; checkpoint-4 is the event waited for, its
+    deadline of 300 s only catches a hang: the run's 4 steps take seconds, and its own start-up, not an event of
+    this process, is in it), then resume: the next step's weights and AdamW state equal an unbroken run's."""
     run = tmp_path / "run"
-    args = [
-        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        f"output_dir={run}",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-        "save_steps=2",
-    ]
+    cfg = run_cfg(tmp_path, tiny_model_dir, "run", "save_steps=2")  # rewards that move the weights every step
+    args = [TOY] + [f"{f.name}={getattr(cfg, f.name)}" for f in fields_set(cfg)]
     p = subprocess.Popen(
         [sys.executable, "mt_grpo_trainer.py", *args, "max_steps=500"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and not (run / "checkpoint-4").is_dir():
-        time.sleep(0.2)
-    p.send_signal(signal.SIGKILL)  # no handler runs: a crash
-    p.wait(timeout=30)
+    try:
+        until(lambda: (run / "checkpoint-4").is_dir() or p.poll() is not None, "checkpoint-4 saved", hang_s=300)
+        assert p.poll() is None, "the run ended before it was killed"
+    finally:
+        p.send_signal(signal.SIGKILL)  # no handler runs: a crash
+        p.wait(timeout=30)
     done = sorted(
         int(d.name.split("-")[1]) for d in run.iterdir() if d.name.startswith("checkpoint-") and d.name[11:].isdigit()
     )
     last = done[-1]
-    hist = M.train(M.load_config(args[0], args[1:] + [f"max_steps={last + 1}", "resume_from_checkpoint=auto"]))
+    hist = M.train(M.load_config(TOY, args[1:] + [f"max_steps={last + 1}", "resume_from_checkpoint=auto"]))
     assert [h["step"] for h in hist] == [last + 1]
-    steps = [__import__("json").loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, last + 2)), "steps logged after the checkpoint are dropped, then redone once"
+    M.train(run_cfg(tmp_path, tiny_model_dir, "unbroken", "save_steps=2", f"max_steps={last + 1}"))
+    resumed = load_file(run / f"checkpoint-{last + 1}" / "model.safetensors")
+    unbroken = load_file(tmp_path / "unbroken" / f"checkpoint-{last + 1}" / "model.safetensors")
+    before = load_file(run / f"checkpoint-{last}" / "model.safetensors")
+    assert any(not torch.equal(resumed[k], before[k]) for k in resumed), "the resumed step changed the weights"
+    for k in unbroken:
+        torch.testing.assert_close(resumed[k], unbroken[k], rtol=1e-5, atol=1e-6)
+    moments = [
+        torch.load(d / f"checkpoint-{last + 1}" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+        for d in (run, tmp_path / "unbroken")
+    ]
+    assert moments[0].keys() == moments[1].keys() and moments[1]
+    for i in moments[1]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(moments[0][i][name], moments[1][i][name], rtol=1e-5, atol=1e-8)
+
+
+def fields_set(cfg):
+    """The Config fields whose value differs from the toy recipe's: what run_cfg set, as command-line overrides."""
+    toy = M.load_config(TOY)
+    return [f for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(toy, f.name)]
 
 
 @pytest.fixture(scope="module")

@@ -62,9 +62,10 @@ def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path, ti
     s.append(tok.encode("<|im_start|>user\nWhat is the value of golf?<|im_end|>\n"), mask=0)
     s.append(tok.encode("<answer>x</answer>"), mask=1, logprobs=[-1.0] * len(tok.encode("<answer>x</answer>")), turn=0)
     [mb], _ = M.prepare_microbatches(model, ref, [s], cfg, 0, torch.device("cpu"))
-    with torch.no_grad():
-        want = M.token_logprobs(base, mb["ids"], mb["attn"], cfg.temperature)
-    torch.testing.assert_close(mb["ref"], want)
+    with torch.no_grad():  # directly, not the trainer's token_logprobs: log-softmax at the temperature, next token
+        logits = base(input_ids=mb["ids"], attention_mask=mb["attn"]).logits[:, :-1].float()
+    want = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, mb["ids"][:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(mb["ref"][:, 1:], want)
     assert (mb["old"] - mb["ref"]).abs().max() > 1e-3, "the policy (adapters on) is not the reference"
 
 

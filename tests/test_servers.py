@@ -12,7 +12,7 @@ import pytest
 
 import mt_grpo_trainer as M
 from bench.rollout_throughput import scripted_backend
-from tests.conftest import recipe_cfg
+from tests.conftest import HANG_S, recipe_cfg, until
 from tests.test_vllm_client import completions, standin_process, trainer_against, wait_for
 from tests.vllm_standin import StandinServer
 from tools.kv_lookup import lookup
@@ -89,35 +89,47 @@ def test_an_episode_stays_on_one_server_new_ones_spread_and_the_shares_are_logge
         assert all(completions(s) for s in servers)
 
 
-def test_more_servers_more_rollouts_a_second_when_each_serves_so_many_at_a_time(tok, tmp_path):
-    """Latency-bound: each server runs 8 sequences at a time, 0.4 s each; 64 episodes of 3 turns take 8 rounds a turn
-    on one server, 4 on two (the client's own time, the same for both, is what keeps the ratio below 2)."""
-    took = {}
-    for n in (1, 2):
-        with scripted_servers(tok, n, latency=0.4, capacity=8) as servers:
-            client = client_for(tmp_path, servers)
-            env = M.MultiTurnToolEnv(tok, [lookup], client.cfg)
-            t = time.perf_counter()
-            eps = env.rollout(rows(16, 4), client)
-            took[n] = time.perf_counter() - t
-            assert all(len(ep.turns) == 3 for ep in eps)
-    print(took)
-    assert took[1] > 3 * 8 * 0.4 and took[1] / took[2] > 1.6, took
+def test_two_servers_run_twice_the_sequences_at_once_of_one(tok, tmp_path):
+    """Latency-bound rollouts go faster on more servers because more sequences run at once. A counter, not a clock:
+    each server runs 8 sequences at a time and holds them at its gate; 16 groups of 4 fill both servers (8 + 8 held
+    at once) before any is answered. Were new groups not spread, the second would stay empty and `until` would fail
+    on its deadline, which only catches a hang."""
+    with scripted_servers(tok, 2, capacity=8) as servers:
+        client = client_for(tmp_path, servers)
+        env = M.MultiTurnToolEnv(tok, [lookup], client.cfg)
+        for srv in servers:
+            srv.faults.hold()
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault("eps", env.rollout(rows(16, 4), client)))
+        worker.start()
+        try:
+            until(lambda: [s.faults.busy() for s in servers] == [8, 8], "both servers full at once")
+        finally:
+            for srv in servers:
+                srv.faults.release()
+            worker.join(timeout=HANG_S)
+        assert len(out["eps"]) == 64 and all(len(ep.turns) == 3 for ep in out["eps"])
 
 
 def test_a_slow_server_is_not_down_keeps_its_sessions_and_new_ones_go_to_the_free_one(tok, tmp_path):
+    """Events, not a clock: the slow server holds its requests at its gate until released, and the test waits for
+    counts (`until` fails only on a hang)."""
     with scripted_servers(tok, 2) as (slow, fast):
-        slow.faults.set_latency(2.0)
+        slow.faults.hold()
         client, said = client_for(tmp_path, [slow, fast]), []
         client.say = said.append
         prompts = [[5, 6, i] for i in range(8)]
         first = threading.Thread(target=client.generate, args=(prompts[:4], [4] * 4), kwargs={"sessions": [1, 2, 3, 4]})
         first.start()
-        time.sleep(0.5)  # the fast server answered its two; the slow one holds two in flight
-        assert [len(completions(s)) for s in (slow, fast)] == [2, 2]
-        for i in range(4, 8):  # new sessions, one at a time: to the server with fewer in flight
-            client.generate([prompts[i]], [4], sessions=[i + 1])
-        first.join()
+        try:
+            # the fast server answered its two; the slow one holds two in flight
+            until(lambda: len(fast.replies) == 2 and slow.faults.busy() == 2, "2 answered, 2 held")
+            assert [len(completions(s)) for s in (slow, fast)] == [2, 2]
+            for i in range(4, 8):  # new sessions, one at a time: to the server with fewer in flight
+                client.generate([prompts[i]], [4], sessions=[i + 1])
+        finally:
+            slow.faults.release()
+            first.join(timeout=HANG_S)
         assert [len(completions(s)) for s in (slow, fast)] == [2, 2 + 4]
         client.generate([p + [9] for p in prompts[:4]], [4] * 4, sessions=[1, 2, 3, 4])  # their next turns
         assert [len(completions(s)) for s in (slow, fast)] == [2 + 2, 6 + 2], "each session stays where it was"

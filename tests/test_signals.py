@@ -94,9 +94,9 @@ def test_sigterm_or_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny_m
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_a_reward_function_hangs_saves_the_last_step_and_exits(tmp_path, tiny_model_dir, sig):
     """The reward function never returns (reward_timeout is far off): the signal ends the wait at once; the step is
-    dropped and the one before it saved, since the weights have not changed since then."""
+    dropped and the one before it saved, since the weights have not changed since then. No clock: the run must exit
+    within communicate's 60 s, a deadline that only catches a hang, ten times shorter than reward_timeout=600."""
     import signal
-    import time
 
     hang = tmp_path / "hang.py"
     hang.write_text(
@@ -108,13 +108,11 @@ def test_a_signal_while_a_reward_function_hangs_saves_the_last_step_and_exits(tm
     p, run = start_long_run(tmp_path, tiny_model_dir, f"turn_reward_funcs=[{hang}:hang]", "reward_timeout=600")
     try:
         wait_for_file(tmp_path / "hanging")
-        t = time.time()
         p.send_signal(getattr(signal, sig))
         out, err = p.communicate(timeout=60)
-        took = time.time() - t
     finally:
         kill_group(p)
-    assert p.returncode == 0 and took < 10, err[-2000:]
+    assert p.returncode == 0, err[-2000:]
     assert f"{sig}: stopped after step 1 and saved {run}/checkpoint-1;" in out and "Traceback" not in err
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     assert (run / "checkpoint-1" / "trainer_state.pt").is_file() and not (run / "checkpoint-2").exists()

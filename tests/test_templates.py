@@ -371,36 +371,28 @@ def test_realign_under_a_template_that_trims_content_keeps_one_sample_and_a_real
     assert ep2.forks == 1 and ep2.realigns == 0 and CT.check_invariants(ep2, seen2, native_env(wobble)) == []
 
 
-def test_check_template_reports_realign_boundaries(qwen3, capsys):
-    llama_dir = os.path.join(FIX, "llama3_1_chat_template.jinja")
-    code = CT.main(
-        [
-            "--tokenizer",
-            os.path.join(FIX, "qwen3_tokenizer"),
-            "--chat-template",
-            llama_dir,
-            "--tool-format",
-            "xml",
-            "--json",
-        ]
-    )
+def test_check_template_reports_realign_boundaries(tmp_path, capsys):
+    """Qwen2.5's template with one change: a past assistant turn ends in <|endoftext|>, not the <|im_end|> sampled
+    (a re-rendered end marker, the tail wobble REALIGN keeps in one sample). check-template's own output, text and
+    JSON, marks the boundary after each answer REALIGN, not FORK."""
+    template = open(os.path.join(FIX, "qwen2_5_chat_template.jinja")).read()
+    history = "message.content + '<|im_end|>' + '\\n' }}"
+    assert template.count(history) == 1
+    marker = "message.content + ('<|endoftext|>' if message.role == 'assistant' else '<|im_end|>') + '\\n' }}"
+    (tmp_path / "t.jinja").write_text(template.replace(history, marker))
+    argv = ["--tokenizer", os.path.join(FIX, "qwen3_tokenizer"), "--chat-template", str(tmp_path / "t.jinja")]
+    assert CT.main([*argv, "--json"]) == 0  # native tool format: an answer ends in EOS, not in a stop string
     r = json.loads(capsys.readouterr().out)
-    assert code == 0 and r["violations"] == []
-    assert all(b["extends"] or not b["realigned"] for b in r["boundaries"])
-    fake = {
-        "settings": {
-            "x": {
-                "turns": 2,
-                "samples_per_episode": 1,
-                "violations": [],
-                "boundaries": [{"kind": "user", "extends": False, "realigned": 2, "turn": 1, "why": "w"}],
-            }
-        }
-    }
-    assert "user:REALIGN" in " ".join(
-        f"{b['kind']}:{'extend' if b['extends'] else 'REALIGN' if b['realigned'] else 'FORK'}"
-        for b in fake["settings"]["x"]["boundaries"]
-    )
+    assert r["violations"] == [] and r["samples_per_episode"] == 1
+    realigned = [(b["setting"], b["kind"]) for b in r["boundaries"] if b["realigned"]]
+    assert realigned == [("no_thinking", "user"), ("thinking", "user")], r["boundaries"]
+    assert all(b["extends"] for b in r["boundaries"] if not b["realigned"])
+    assert CT.main(argv) == 0
+    text = capsys.readouterr().out
+    for setting in ("no_thinking", "thinking"):
+        [line] = [x for x in text.splitlines() if x.strip().startswith(setting + " ")]
+        assert line.endswith("boundaries: tool:extend tool:extend user:REALIGN tool:extend"), line
+    assert "FORK" not in text.replace("or FORK", ""), "no boundary is reported as a fork"
 
 
 def bridge_episode(tok, turns, bridge=True):

@@ -516,11 +516,9 @@ def test_remote_retriever_retries_then_fails_clearly(remote, monkeypatch):
     with pytest.raises(RuntimeError, match="unexpected body"):
         W.wiki_search("x")
     monkeypatch.setenv("WIKI_SEARCH_RETRIES", "0")
-    Retriever.script = ["slow"]
-    t0 = time.monotonic()
+    Retriever.script = ["slow"]  # answers after 1 s: only the 0.5 s timeout makes this fail (no clock needed)
     with pytest.raises(RuntimeError, match="unreachable: .*Timeout"):
         W.wiki_search("x")
-    assert time.monotonic() - t0 < 5
 
 
 # --- dataset ------------------------------------------------------------------------------------

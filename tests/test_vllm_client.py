@@ -4,6 +4,7 @@ it sends, n for a group's first turn, max_tokens clamping, every fault, weight s
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -13,7 +14,7 @@ import requests
 import torch
 
 import mt_grpo_trainer as M
-from tests.conftest import moving_run, recipe_cfg
+from tests.conftest import HANG_S, moving_run, recipe_cfg, until
 from tests.vllm_standin import StandinServer
 
 
@@ -52,8 +53,6 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
     rows = [{"prompt": "what is alpha?", "key": "alpha", "value": "x"}] * 4 + [
         {"prompt": "what is bravo?", "key": "bravo", "value": "y"}
     ] * 4
-    parsed, parse = [], client.completion  # every completion the client made of a reply, as it returned it
-    client.completion = lambda c, version, url: parsed.append(out := parse(c, version, url)) or out
     eps = env.rollout(rows, client)
     reqs = completions(server)
     first = reqs[:2]
@@ -64,15 +63,46 @@ def test_rollout_sends_token_prompts_with_vllm_fields_and_trains_the_returned_id
         assert all(isinstance(t, int) for t in b["prompt"]) and b["cache_salt"] == f"{client.run_tag}-v0"
         assert b["stop"] == ["</tool>", "</answer>"] and b["stop_token_ids"] == [tok.eos_token_id]
         assert b["top_k"] == 0 and b["temperature"] == cfg.temperature
-    # I1: the trained tokens are exactly the ids the server returned, after exactly the prompt it got
-    sent = {tuple(r["body"]["prompt"]) for r in reqs}
+    assert_trained_what_the_server_sent(eps, server)
+
+
+def server_sent(server) -> list[tuple[list[int], list[float]]]:
+    """Every choice's token_ids and logprobs as they were in the stand-in's raw replies (not as the client read them)."""
+    choices = [c for reply in server.replies for c in reply["choices"]]
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def assert_trained_what_the_server_sent(eps, server):
+    """I1 through the server: each trained turn is exactly one raw reply's token ids (with its logprobs), after
+    exactly a prompt the server got, and only those ids are trained."""
+    prompts = {tuple(r["body"]["prompt"]) for r in completions(server)}
+    sent = server_sent(server)
     for ep in eps:
         for t in ep.turns:
             s = next(s for s in ep.samples if len(s.input_ids) >= t.prompt_len + t.sampled_len)
-            assert tuple(s.input_ids[: t.prompt_len]) in sent
+            assert tuple(s.input_ids[: t.prompt_len]) in prompts
             span = slice(t.prompt_len, t.prompt_len + t.sampled_len)
-            assert (s.input_ids[span], s.sampler_logprobs[span]) in [(c.ids, c.logprobs) for c in parsed]
+            assert (s.input_ids[span], s.sampler_logprobs[span]) in sent
             assert s.loss_mask[span] == [1] * t.sampled_len
+
+
+def test_i1_keeps_the_stop_string_and_eos_tokens_the_server_sent(tok, tmp_path):
+    """Replies that end in a stop string's tokens (a tool call) and in EOS (the answer): vLLM's token_ids keep both,
+    and so must the trained ids. Checked against the raw replies, so a client that drops a stop token is caught."""
+    from bench.rollout_throughput import scripted_backend
+    from tools.kv_lookup import lookup
+
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with StandinServer(backend=scripted_backend(tok), vocab_size=len(tok), max_model_len=4096) as srv:
+        cfg = recipe_cfg(tmp_path, f"vllm_server_url={srv.url}", "max_seq_len=4096", "tokenization_check=off")
+        client = M.VLLMServerClient(cfg, len(tok), {eos})
+        env = M.MultiTurnToolEnv(tok, [lookup], cfg)
+        eps = env.rollout([{"prompt": 'What is "k"?', "key": "alpha", "answer": "x"}] * 2, client)
+        sent = server_sent(srv)
+        assert any(ids[-1] == eos for ids, _ in sent), "some reply ends in EOS"
+        assert any(tok.decode(ids).endswith("</tool>") for ids, _ in sent), "some reply ends in a stop string"
+        assert all(len(ep.turns) == 3 for ep in eps)
+        assert_trained_what_the_server_sent(eps, srv)
 
 
 def test_max_tokens_is_clamped_to_the_servers_context(tiny_model_dir, tmp_path):
@@ -120,31 +150,52 @@ def test_replies_we_cannot_trust_are_errors_never_samples(server, tmp_path, faul
         client.generate([[5, 6, 7]], [4])
 
 
+def raised_before_a_hang(fn) -> BaseException | None:
+    """What fn raised, run in a thread; None if it returned. A client that retries past its deadline never returns
+    here: the join's deadline (HANG_S, far beyond any request_deadline below) only catches that hang."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=HANG_S)
+    assert not worker.is_alive(), f"still retrying after {HANG_S} s: the deadline is not kept"
+    return out.get("error")
+
+
 def test_persistent_5xx_ends_with_a_clear_error_within_the_deadline(server, tmp_path):
+    """A counter, not a clock: the client gives up at request_deadline with failures still queued (it would
+    succeed on the 101st attempt)."""
     client = client_for(server, tmp_path, "request_deadline=2")
     server.faults.fail_next(100, status=502)
-    t = time.time()
     with pytest.raises(M.SamplerError, match=f"vLLM server at {server.url}.*HTTP 502"):
         client.generate([[5, 6, 7]], [4])
-    assert time.time() - t < 4
+    assert len(completions(server)) < 100 and server.faults.left("fail") > 0
 
 
 def test_slow_server_times_out_per_attempt_then_fails_by_the_deadline(server, tmp_path):
-    server.faults.set_latency(2.0)
+    """Events: the server holds every request (it never answers), so only request_timeout ends an attempt and only
+    request_deadline the retries."""
+    server.faults.hold()
     client = client_for(server, tmp_path, "request_timeout=0.5", "request_deadline=2")
-    t = time.time()
-    with pytest.raises(M.SamplerError, match="Timeout"):
-        client.generate([[5, 6, 7]], [4])
-    assert time.time() - t < 4
+    try:
+        error = raised_before_a_hang(lambda: client.generate([[5, 6, 7]], [4]))
+    finally:
+        server.faults.release()
+    assert isinstance(error, M.SamplerError) and "Timeout" in str(error), error
 
 
 def test_an_unreachable_server_names_the_url(tmp_path):
     url = f"http://127.0.0.1:{M.free_port()}"
     cfg = M.load_config(None, [f"vllm_server_url={url}", "request_deadline=1.5"])
-    t = time.time()
-    with pytest.raises(M.SamplerError, match=f"vLLM server at {url}.*GET /v1/models.*ConnectionError"):
-        M.VLLMServerClient(cfg, 100)
-    assert time.time() - t < 4
+    error = raised_before_a_hang(lambda: M.VLLMServerClient(cfg, 100))
+    assert isinstance(error, M.SamplerError), error
+    assert re.search(f"vLLM server at {url}.*GET /v1/models.*ConnectionError", str(error)), error
 
 
 def test_a_refused_request_is_not_retried(server, tmp_path):
@@ -279,22 +330,29 @@ def test_a_lora_sync_and_the_other_ranks_change_only_the_version_and_pause_nothi
 
 def test_exiting_never_waits_for_requests_in_flight(server, tmp_path):
     """A run that stops on an error while requests are in flight exits at once: the client's workers are
-    daemons, so the interpreter does not wait out their request_timeout."""
+    daemons, so the interpreter does not wait out their request_timeout. Events, not a clock: the server holds the
+    request (it never answers), the script exits once the request is held, and the exit must come within HANG_S,
+    a deadline that only catches a hang: waiting out request_timeout (600 s) would overrun it."""
     import subprocess
 
-    server.faults.set_latency(30)
+    server.faults.hold()
     script = (
-        f"import sys, threading, time\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
+        f"import sys, threading\nsys.path.insert(0, {os.getcwd()!r})\nimport mt_grpo_trainer as M\n"
         f"cfg = M.load_config(None, ['vllm_server_url={server.url}', 'output_dir={tmp_path}/run'])\n"
         "c = M.VLLMServerClient(cfg, 100)\n"
         "threading.Thread(target=c.generate, args=([[5, 6, 7]], [4]), daemon=True).start()\n"
-        "time.sleep(1)\nsys.exit(3)\n"
+        "sys.stdin.readline()\nsys.exit(3)\n"
     )
-    t = time.time()
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3, r.stderr[-1000:]
-    assert time.time() - t < 15, "exit waited for the in-flight request"
-    server.faults.set_latency(0)
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: server.faults.busy() == 1 or p.poll() is not None, "the request is in flight")
+        p.stdin.write("exit\n")
+        p.stdin.flush()
+        err = p.communicate(timeout=HANG_S)[1]
+    finally:
+        p.kill()
+        server.faults.release()
+    assert p.returncode == 3, err[-1000:]
 
 
 def test_training_against_the_server_syncs_every_step_and_before_generating_after_a_resume(

@@ -145,17 +145,32 @@ class Faults:
 
     def __init__(self):
         self._lock, self._slots, self._busy = threading.Lock(), threading.Condition(), 0
+        self.gate = threading.Event()  # cleared by hold(): completion requests wait at it, counted in busy()
         self.clear()
 
     def clear(self):
         with self._lock:
             self._left = dict.fromkeys(self.KINDS, 0)
             self.fail_status, self.latency_s, self.capacity, self.engine_dead = 500, 0.0, 0, False
+        self.gate.set()
 
     def set_latency(self, seconds: float, capacity: int = 0):
         """`seconds` added to every completion request. With `capacity`, at most that many sequences (n per request)
         wait them out at once and the rest queue: an engine that runs so many at a time (vLLM's max_num_seqs)."""
         self.latency_s, self.capacity = float(seconds), capacity
+
+    def hold(self):
+        """From now on every completion request waits (occupying its sequences) until release(): a test waits for an
+        event (busy() reaching a count) instead of a time."""
+        self.gate.clear()
+
+    def release(self):
+        self.gate.set()
+
+    def busy(self) -> int:
+        """Sequences waiting out the latency or held at the gate right now."""
+        with self._slots:
+            return self._busy
 
     @contextlib.contextmanager
     def occupying(self, n: int):
@@ -269,6 +284,7 @@ class StandinServer:
         self.served_model_name = served_model_name or model_dir or "standin"
         self.fingerprint = "vllm-0.32.0-" + hashlib.sha256(self.served_model_name.encode()).hexdigest()[:8]
         self.faults, self.requests, self.weight_transfer_calls = Faults(), [], []
+        self.replies = []  # every /v1/completions response body sent, as sent (after any fault mangled it)
         self.reloads, self.last_weights_path, self.prefix_cache_resets, self.model_broken = 0, None, 0, False
         self.weights_path, self.weight_version = model_dir, "default"
         self.engine_batches, self.batch_sizes = 0, []
@@ -379,6 +395,8 @@ class StandinServer:
                 status, payload = (405, {"detail": "Method Not Allowed"}) if known else (404, {"detail": "Not Found"})
             elif route == self._completions:
                 payload = self._completions(body, h.headers.get("Content-Type", ""))
+                with self._lock:
+                    self.replies.append(payload)
             else:
                 payload = route(body, query)
         except ApiError as e:
@@ -437,8 +455,9 @@ class StandinServer:
 
     # ------------------------------------------------------------------ /v1/completions
     def _completions(self, body, content_type):
-        if self.faults.latency_s > 0:  # holding no lock: concurrent requests overlap, up to the capacity
+        if self.faults.latency_s > 0 or not self.faults.gate.is_set():  # holding no lock: requests overlap
             with self.faults.occupying(int(body.get("n") or 1) if isinstance(body, dict) else 1):
+                self.faults.gate.wait(timeout=600)  # held by hold(); the timeout only ends a test that never releases
                 time.sleep(self.faults.latency_s)
         if self.faults.take("drop"):
             raise _Drop()
