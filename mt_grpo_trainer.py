@@ -1611,7 +1611,10 @@ def called(ep: Episode) -> int:
 
 class ToolCollapseAlarm:
     """Tool-use collapse (outcome-only credit can teach a policy to stop calling tools): the first turn's tool-call
-    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse."""
+    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse.
+    A peak under MIN_PEAK is no tool use to lose (a policy that never learned to call a tool has not collapsed)."""
+
+    MIN_PEAK = 0.05
 
     def __init__(self, fraction: float, steps: int):
         self.fraction, self.recent, self.peak, self.on = fraction, collections.deque(maxlen=steps), 0.0, False
@@ -1620,7 +1623,8 @@ class ToolCollapseAlarm:
         self.recent.append(rate)
         mean = sum(self.recent) / len(self.recent)
         self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
-        was, self.on = self.on, self.fraction > 0 and mean < self.fraction * self.peak
+        collapsed = self.peak >= self.MIN_PEAK and mean < self.fraction * self.peak
+        was, self.on = self.on, self.fraction > 0 and collapsed
         if not self.on or was:
             return ""
         return (
@@ -1629,6 +1633,14 @@ class ToolCollapseAlarm:
         )
 
 
+NO_SPREAD = (
+    "[mt-grpo] note: at step {step} every group's episodes got the same rewards (outcome {outcome:.3f}, turn "
+    "{turn:.3f}), so every advantage is 0 and the step had no gradient: GRPO learns only from the differences "
+    "within a group. If most steps look like this, the model cannot yet earn different rewards on this task. Try a "
+    "model that can call the tool (see its episodes.jsonl), few-shot examples in the prompt "
+    "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
+    "does; README: a model for your task), or a reward with partial credit (e.g. a turn reward for a call that runs)."
+)
 RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
@@ -1649,6 +1661,7 @@ class MetricsLogger:
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
         self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
         self.wandb, self.alarm = None, ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
+        self.no_spread_said = False  # NO_SPREAD is said once a run
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
 
@@ -1690,6 +1703,9 @@ class MetricsLogger:
         )
         if warning:
             self.write(warning)
+        if not (m["adv/before_abs"] or m["adv/after_abs"] or self.no_spread_said):
+            self.write(NO_SPREAD.format(step=step, outcome=m["reward/outcome"], turn=m["reward/turn"]))
+            self.no_spread_said = True
         if dump:
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
