@@ -646,3 +646,42 @@ def test_run_sh_needs_python_3_11_and_says_so_in_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "needs Python 3.11" in r.stderr and "Python 3.12.1" in r.stderr and "MTGRPO_PYTHON" in r.stderr
     assert not (tmp_path / "venv").exists() and not log.exists()
+
+
+def test_run_sh_train_recipe_works_as_the_usage_says(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(
+        tmp_path, bin_dir, M.free_port(), "train", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "train_gpu=0", timeout=120
+    )
+    assert r.returncode == 1 and "recipe not found" not in r.stderr, r.stderr
+    assert "unknown config key 'train_gpu' in the override 'train_gpu=0' on the command line" in r.stderr
+
+
+def test_a_gpu_recipe_on_a_machine_without_a_gpu_says_so_before_any_download(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/Qwen/Qwen3-1.7B--mt-grpo-1gpu.yaml", timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "is a GPU recipe" in r.stderr and "nvidia-smi sees no GPU" in r.stderr and "mixed_precision=no" in r.stderr
+    assert "layout" not in r.stdout and not (tmp_path / "launched").exists()
+
+
+def test_a_server_url_run_names_its_servers_in_the_header_not_local_one_process(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    url = f"http://127.0.0.1:{M.free_port()}"
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "eval",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        "--server-url",
+        url,
+        "eval_dataset=",
+        f"output_dir={tmp_path}/run",
+        timeout=120,
+    )
+    assert f"[run.sh] layout: one process, sampling from the vLLM server(s) at {url}" in r.stdout, r.stdout + r.stderr
+    assert "local, one process" not in r.stdout and "eval needs eval_dataset" in r.stderr
