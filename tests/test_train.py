@@ -66,6 +66,8 @@ def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path, toy_model
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "model built" not in r.stdout and "before/after" in r.stdout and str(run) in r.stdout
+    for noise in ("Writing model shards", "Loading weights", "it/s]", "Warning"):  # output to a file: step lines only
+        assert noise not in r.stdout + r.stderr, r.stderr[-3000:]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["reward/outcome"] <= 1 and m["rollout/sampled_tokens"] > 0 for m in metrics)
