@@ -2695,7 +2695,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
-    hints, rules, overridden = typing.get_type_hints(Config), field_rules(), {}
+    hints, rules = typing.get_type_hints(Config), field_rules()
+    overridden = {}  # key -> its override, as written
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
@@ -2782,13 +2783,9 @@ def locate_paths(cfg: Config, recipe: str | None, say=None):
     builder_file = os.path.expanduser(cfg.model_builder.rsplit(":", 1)[0])
     cfg.model_builder = spec(cfg.model_builder)
     cfg.model_name_or_path = find(cfg.model_name_or_path, found_in.get(builder_file))
-    notes = {}
-    for p, base in found_in.items():
-        if base != bases[0]:
-            notes.setdefault(base, []).append(p)
-    for base, paths in notes.items():
-        if say:
-            say(f"[mt-grpo] {', '.join(paths)}: not beside the recipe, taken from {base}")
+    for base in dict.fromkeys(b for b in found_in.values() if b != bases[0] and say):
+        paths = ", ".join(p for p, b in found_in.items() if b == base)
+        say(f"[mt-grpo] {paths}: not beside the recipe, taken from {base}")
 
 
 def check_branching(cfg: Config):
