@@ -1675,7 +1675,7 @@ NO_SPREAD = (
     "within a group. If most steps look like this, the model cannot yet earn different rewards on this task. Try a "
     "model that can call the tool (see its episodes.jsonl), few-shot examples in the prompt "
     "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
-    "does; README: a model for your task), or a reward with partial credit (e.g. a turn reward for a call that runs)."
+    "does; docs/your-task.md), or a reward with partial credit (e.g. a turn reward for a call that runs)."
 )
 RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()

@@ -73,11 +73,11 @@ def test_gpu_requirements_pin_vllm_and_match_the_cpu_set_elsewhere():
     }
 
 
-def test_the_readmes_task_of_your_own_builds_its_model_beside_it_and_trains(tmp_path, monkeypatch):
-    """The README's 'A model for your task' as a user copies it (its warm-start cut to 4 steps), run from the
-    folder above it: the model is built beside the builder and a step trains."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    files = re.findall(r"<!-- recipe: (my_task/[\w.]+) -->\n```\w+\n(.*?)```", readme, re.S)
+def test_the_docs_task_of_your_own_builds_its_model_beside_it_and_trains(tmp_path, monkeypatch):
+    """docs/your-task.md's two files as a user copies them (the warm-start cut to 4 steps), run from the folder
+    above them: the model is built beside the builder and a step trains."""
+    doc = open(os.path.join(ROOT, "docs", "your-task.md")).read()
+    files = re.findall(r"<!-- recipe: (my_task/[\w.]+) -->\n```\w+\n(.*?)```", doc, re.S)
     assert [name for name, _ in files] == ["my_task/calc.py", "my_task/calc.yaml"]
     (tmp_path / "my_task").mkdir()
     for name, body in files:
