@@ -1288,9 +1288,9 @@ class Run:
         )
 
     def release(self):
-        """Rank 0, however the run ends: a fresh run that logged no step puts back the earlier run it moved aside
-        (its own folder holds only its config.yaml), and the lock file goes."""
-        if self.earlier and not os.path.isfile(os.path.join(self.cfg.output_dir, "metrics.jsonl")):
+        """Rank 0, however the run ends: a fresh run that wrote nothing but its config.yaml (no step logged, no
+        checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
+        if self.earlier and not set(os.listdir(self.cfg.output_dir)) - {"config.yaml", "eval"}:
             shutil.rmtree(self.cfg.output_dir, ignore_errors=True)
             os.replace(self.earlier, self.cfg.output_dir)
             print(f"[mt-grpo] this run trained no step, so the earlier run is back in {self.cfg.output_dir}")
