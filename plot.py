@@ -51,8 +51,12 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
 
 def plot(run_dirs: list[str], out: str) -> str:
     """Draw the runs' curves into `out` (PNG); returns `out`."""
-    runs = {os.path.basename(os.path.normpath(d)): read_metrics(d) for d in run_dirs}
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    if len(set(names)) < len(names):  # runs/a/run and runs/b/run: their paths tell them apart
+        names = [os.path.normpath(d) for d in run_dirs]
+    runs = {name: read_metrics(d) for name, d in zip(names, run_dirs)}
     evals = sorted({k for rows in runs.values() for r in rows for k in r if k.startswith("eval/")})
+    last = max((r["step"] for rows in runs.values() for r in rows), default=1)  # every panel spans the same steps
     panels = PANELS + [(k, f"eval: {k.removeprefix('eval/')} (greedy)") for k in evals]
     cols = 3
     n_rows = math.ceil(len(panels) / cols)
@@ -70,6 +74,7 @@ def plot(run_dirs: list[str], out: str) -> str:
             ax.plot(steps, trailing_mean(values, max(1, len(values) // 20)), color=color, linewidth=2, label=name)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.set_xlim(0, last + 1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[len(panels) :]:
