@@ -1,7 +1,10 @@
 """check-template: simulate multi-turn episodes through the trainer's own environment code, before training.
 
     python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--chat-template FILE] [--json]
+    python mt_grpo_trainer.py check-template --chat-template DIR/chat_template.jinja   (DIR's tokenizer)
     python check_template.py --tokenizer ...          (the same)
+
+Its defaults are the trainer's (tool_format, thinking_retention).
 
 For a chat template and a `thinking_retention`, it reports whether extension (I4) holds at each turn
 boundary, how many samples an episode makes, and every invariant violation (I1-I3, I5). It lives
@@ -153,25 +156,68 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
     return report
 
 
+class CheckError(ValueError):
+    """A tokenizer or chat template that cannot be checked: one line, with what to give instead."""
+
+
+def load_tokenizer(name: str | None, template: str | None):
+    """The tokenizer to check, with `template` (a .jinja file) as its chat template. Without `name`, the template's
+    folder, where it holds a tokenizer (a model folder's chat_template.jinja)."""
+    from transformers import AutoTokenizer
+
+    if template and not os.path.isfile(template):
+        raise CheckError(f"--chat-template {template}: no such file")
+    if not name:
+        folder = os.path.dirname(os.path.abspath(template)) if template else ""
+        if not template or not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+            where = f"the folder of {template} holds no tokenizer" if template else "no tokenizer given"
+            raise CheckError(
+                f"{where}: add --tokenizer DIR_OR_HUB_ID, the tokenizer the template is for (a model folder, e.g. "
+                ".cache/toy-kv-model-hd32, or a hub id, e.g. Qwen/Qwen3-0.6B)"
+            )
+        name = folder
+    if not os.path.isdir(name) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise CheckError(
+            f"--tokenizer {name}: no such folder (nor a hub id, org/name); give a model or tokenizer folder"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # a missing folder, a folder without a tokenizer, a hub id that is not there: one line
+        why = " ".join(str(e).split())
+        raise CheckError(
+            f"--tokenizer {name}: no tokenizer loads from it ({why:.200}); give a model or tokenizer folder "
+            "(with tokenizer_config.json) or a hub id (org/name)"
+        ) from None
+    if template:
+        try:
+            with open(template, encoding="utf-8") as f:
+                tok.chat_template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckError(f"--chat-template {template}: cannot read it as UTF-8 text ({e})") from None
+    if not tok.chat_template:
+        raise CheckError(f"{name} has no chat template; pass --chat-template FILE")
+    return tok
+
+
 def main(argv=None):
     import argparse
-    from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(
         prog="mt_grpo_trainer.py check-template", description="Check a chat template for multi-turn RL before training."
     )
-    ap.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
+    ap.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the --chat-template file's folder)")
     ap.add_argument("--chat-template", help="a .jinja file that replaces the tokenizer's chat template")
-    ap.add_argument("--thinking-retention", default="template", choices=M.field_rules()["thinking_retention"])
-    ap.add_argument("--tool-format", default="native", choices=M.field_rules()["tool_format"])
+    retention, tool_format = M.field_rules()["thinking_retention"], M.field_rules()["tool_format"]
+    ap.add_argument("--thinking-retention", default=M.Config.thinking_retention, choices=retention)
+    ap.add_argument("--tool-format", default=M.Config.tool_format, choices=tool_format, help="the trainer's default")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    tok = AutoTokenizer.from_pretrained(a.tokenizer)
-    if a.chat_template:
-        with open(a.chat_template) as f:
-            tok.chat_template = f.read()
-    if not tok.chat_template:
-        sys.exit(f"mt-grpo: error: {a.tokenizer} has no chat template; pass --chat-template FILE")
+    try:
+        tok = load_tokenizer(a.tokenizer, a.chat_template)
+    except CheckError as e:
+        print(f"check-template: error: {e}", file=sys.stderr)
+        return 1
+    a.tokenizer = a.tokenizer or os.path.dirname(a.chat_template)
     r = check_template(tok, a.thinking_retention, a.tool_format)
     if a.json:
         print(json.dumps(r, indent=2))

@@ -15,6 +15,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         sys.exit("usage: python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR")
     checkpoint, out = argv
+    if not os.path.isdir(checkpoint):
+        sys.exit(
+            f"mt-grpo: error: {checkpoint} not found; give a LoRA run's checkpoint folder, e.g. runs/NAME/checkpoint-200"
+        )
     if not os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
         sys.exit(
             f"mt-grpo: error: {checkpoint} holds no LoRA adapter (adapter_config.json); a checkpoint of full "

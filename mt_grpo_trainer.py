@@ -1080,6 +1080,9 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             if run.stop_requested():
                 run.save_and_stop(step + 1)
                 break
+    except BaseException:  # a run that failed: its lock goes, and before its first step, the earlier run comes back
+        run.release()
+        raise
     finally:  # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
@@ -1123,14 +1126,15 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
-    if argv[0] in ("check-template", "merge-lora"):  # tools around training live beside this file, off its path
+    if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
         sys.exit(load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])(argv[1:]))
     eval_only = argv[0] == "eval"
     if argv[0] in ("train", "eval"):
         argv = argv[1:]
     recipe = argv[0] if argv and not argv[0].count("=") else None
     try:
-        cfg = load_config(recipe, argv[1:] if recipe else argv)
+        say = print if os.environ.get("RANK", "0") == "0" else None
+        cfg = load_config(recipe, argv[1:] if recipe else argv, say)
         train(cfg, eval_only)
         if "RANK" in os.environ:  # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
             exit_now(0)
@@ -1174,6 +1178,7 @@ class Run:
     rows: list[dict] = field(default_factory=list)  # the dataset
     eval_rows: list[dict] = field(default_factory=list)  # the rows evaluated (of eval_dataset)
     lock: typing.TextIO | None = None  # rank 0's hold on output_dir (see hold_output_dir)
+    earlier: str = ""  # where this fresh run moved an earlier run in output_dir (put back if it trains no step)
     src: str = ""  # where the weights came from: a checkpoint or the model
     tokenizer: typing.Any = None  # a transformers tokenizer
     model: torch.nn.Module | None = None  # the HF (or peft) module: what is saved and synced
@@ -1324,6 +1329,20 @@ class Run:
             f"{path}; continue with resume_from_checkpoint=auto"
         )
 
+    def release(self):
+        """Rank 0, however the run ends: a fresh run that wrote nothing but its config.yaml (no step logged, no
+        checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
+        if self.earlier and not set(os.listdir(self.cfg.output_dir)) - {"config.yaml", "eval"}:
+            shutil.rmtree(self.cfg.output_dir, ignore_errors=True)
+            os.replace(self.earlier, self.cfg.output_dir)
+            print(f"[mt-grpo] this run trained no step, so the earlier run is back in {self.cfg.output_dir}")
+        self.earlier = ""
+        if self.lock:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock.name)
+            self.lock.close()
+            self.lock = None
+
     def eval_due(self, step: int) -> bool:
         return bool(self.eval_rows and self.cfg.eval_steps and step % self.cfg.eval_steps == 0)
 
@@ -1340,10 +1359,7 @@ class Run:
             if self.is_main:
                 summarize(self.cfg, history)
         self.sampler.close()
-        if self.lock:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.lock.name)
-            self.lock.close()
+        self.release()
         if dist.is_initialized():
             dist.barrier()  # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
             dist.destroy_process_group()
@@ -1355,6 +1371,15 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     (built if missing), the optimizer and resume state, the sampler and its first weight sync."""
     resolve_paths(cfg)
     run = Run(cfg, *init_distributed(cfg))
+    try:
+        return prepare_run(run, eval_only)
+    except BaseException:  # a run that fails before its first step: its lock goes, and the earlier run comes back
+        run.release()
+        raise
+
+
+def prepare_run(run: Run, eval_only: bool) -> Run:
+    cfg = run.cfg
     random.seed(cfg.seed + run.rank)
     np.random.seed((cfg.seed + run.rank) % 2**32)
     torch.manual_seed(cfg.seed + run.rank)
@@ -1363,7 +1388,7 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
     if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
-            prepare_output_dir(cfg, ckpt, eval_only, run.say)
+            run.earlier = prepare_output_dir(cfg, ckpt, eval_only, run.say)
         except OSError as e:
             raise ConfigError(
                 f"cannot write the run folder '{cfg.output_dir}': {e.strerror or e}; set output_dir to "
@@ -1393,7 +1418,8 @@ def setup(cfg: Config, eval_only: bool = False) -> Run:
         return run
     if run.sampler.policy_version is not None:  # in-process they are the trainer's
         run.check_logprobs_mode(prompt_ids)
-    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=not run.is_main)
+    quiet = not run.is_main or not sys.stderr.isatty()  # the step lines say it all in a file; a bar would tangle them
+    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=quiet)
     run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
@@ -1483,6 +1509,9 @@ def hold_output_dir(cfg: Config, say):
             f"output_dir '{cfg.output_dir}' is in use by the run with PID {pid} on {host} (since {since}): "
             "wait for it, or choose another output_dir"
         ) from None
+    if not os.path.exists(path) or not os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+        f.close()  # the run that held it removed the file after this one opened it: lock the file there now
+        return hold_output_dir(cfg, say)
     if pid and pid != str(os.getpid()):
         say(f"[mt-grpo] {path} was left by a run that is gone (PID {pid}): taking it over")
     f.truncate(0)
@@ -1491,8 +1520,10 @@ def hold_output_dir(cfg: Config, say):
     return f
 
 
-def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
-    """Rank 0: a fresh run moves an earlier run in output_dir aside, then saves the resolved config."""
+def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> str:
+    """Rank 0: a fresh run moves an earlier run in output_dir aside (and returns where to), then saves the resolved
+    config."""
+    old = ""
     if not ckpt and not eval_only and os.path.isfile(os.path.join(cfg.output_dir, "metrics.jsonl")):
         old = f"{cfg.output_dir}.{time.strftime('%Y%m%d-%H%M%S')}"  # a fresh run never mixes with an earlier one
         os.replace(cfg.output_dir, old)
@@ -1503,23 +1534,26 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say):
     os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
+    return old
 
 
 def build_model_if_missing(cfg: Config, say):
-    """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path; print the builder's report."""
-    if not os.path.exists(cfg.model_name_or_path) and cfg.model_builder:
-        system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
-        say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
-        tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
+    """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path and print the builder's report
+    (a model built by an earlier run is not reported again)."""
+    if os.path.exists(cfg.model_name_or_path) or not cfg.model_builder:
+        return
+    system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
+    say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
+    tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    builder = load_object(cfg.model_builder, "model builder")
+    try:
+        builder(tmp, system_prompt=system_prompt)
+    except Exception as e:  # nothing half-built is left, and the next run builds again
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        builder = load_object(cfg.model_builder, "model builder")
-        try:
-            builder(tmp, system_prompt=system_prompt)
-        except Exception as e:  # nothing half-built is left, and the next run builds again
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
-        os.replace(tmp, cfg.model_name_or_path)
+        raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
+    os.replace(tmp, cfg.model_name_or_path)
     report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
     if os.path.isfile(report_path):
         with open(report_path) as f:
@@ -1533,7 +1567,9 @@ def load_models(cfg: Config, src: str, device: torch.device):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
     frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # no "Loading weights" bar per load, no "Writing model shards" per save
     tokenizer = pretrained(AutoTokenizer, src)
     base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32)
     model = add_lora(base, cfg, src).to(device)
@@ -1654,7 +1690,10 @@ def called(ep: Episode) -> int:
 
 class ToolCollapseAlarm:
     """Tool-use collapse (outcome-only credit can teach a policy to stop calling tools): the first turn's tool-call
-    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse."""
+    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse.
+    A peak under MIN_PEAK is no tool use to lose (a policy that never learned to call a tool has not collapsed)."""
+
+    MIN_PEAK = 0.05
 
     def __init__(self, fraction: float, steps: int):
         self.fraction, self.recent, self.peak, self.on = fraction, collections.deque(maxlen=steps), 0.0, False
@@ -1663,7 +1702,8 @@ class ToolCollapseAlarm:
         self.recent.append(rate)
         mean = sum(self.recent) / len(self.recent)
         self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
-        was, self.on = self.on, self.fraction > 0 and mean < self.fraction * self.peak
+        collapsed = self.peak >= self.MIN_PEAK and mean < self.fraction * self.peak
+        was, self.on = self.on, self.fraction > 0 and collapsed
         if not self.on or was:
             return ""
         return (
@@ -1672,6 +1712,14 @@ class ToolCollapseAlarm:
         )
 
 
+NO_SPREAD = (
+    "[mt-grpo] note: at step {step} every group's episodes got the same rewards (outcome {outcome:.3f}, turn "
+    "{turn:.3f}), so every advantage is 0 and the step had no gradient: GRPO learns only from the differences "
+    "within a group. If most steps look like this, the model cannot yet earn different rewards on this task. Try a "
+    "model that can call the tool (see its episodes.jsonl), few-shot examples in the prompt "
+    "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
+    "does; docs/your-task.md), or a reward with partial credit (e.g. a turn reward for a call that runs)."
+)
 RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
@@ -1692,6 +1740,7 @@ class MetricsLogger:
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
         self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
         self.wandb, self.alarm = None, ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
+        self.no_spread_said = False  # NO_SPREAD is said once a run
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
 
@@ -1733,6 +1782,9 @@ class MetricsLogger:
         )
         if warning:
             self.write(warning)
+        if not (m["adv/before_abs"] or m["adv/after_abs"] or self.no_spread_said):
+            self.write(NO_SPREAD.format(step=step, outcome=m["reward/outcome"], turn=m["reward/turn"]))
+            self.no_spread_said = True
         if dump:
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
@@ -1742,17 +1794,27 @@ def summarize(cfg: Config, history: list[dict]):
     if not history:
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
-    k = min(10, len(history))
-    print(
-        f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last of {len(history)} steps:"
-    )
+    k = min(10, len(history) // 2)  # two windows that do not overlap; a short run compares its first and last steps
+    if k > 1:
+        print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last:")
+    else:
+        k = 1
+        print(f"\n[mt-grpo] before/after: step {history[0]['step']} -> step {history[-1]['step']}:")
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
         first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
-        print(f"  {key:<22} {history[0][key]:.3f} | {first:.3f} -> {last:.3f}")
+        start = f"{history[0][key]:.3f} | " if k > 1 else ""
+        print(f"  {key:<22} {start}{first:.3f} -> {last:.3f}")
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
         print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
     print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
-    print(f"[mt-grpo] run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/")
+    files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
+    if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
+        try:
+            plot = load_object(os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py:plot"), "plot")
+            files += ", " + os.path.basename(plot([cfg.output_dir], os.path.join(cfg.output_dir, "curves.png")))
+        except Exception as e:  # a picture is never worth a failed run
+            print(f"[mt-grpo] warning: curves.png not drawn: {type(e).__name__}: {e}")
+    print(f"[mt-grpo] run files in {cfg.output_dir}: {files}")
 
 
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
@@ -2678,10 +2740,13 @@ def _coerce(name: str, value, typ):
     raise ConfigError(f"config key '{name}' must be {kind}, got {type(value).__name__}: {value!r}")
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail."""
+def load_config(path: str | None = None, overrides: list[str] = (), say=None) -> Config:
+    """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail. Plug-in and data
+    paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)  # a shipped recipe, from any folder
+        path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
         with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
@@ -2689,11 +2754,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
     hints, rules = typing.get_type_hints(Config), field_rules()
+    overridden = {}  # key -> its override, as written
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override '{ov}' must look like key=value")
         k, v = ov.split("=", 1)
         k = k.strip()
+        overridden[k] = ov.strip()
         raw[k] = v if hints.get(k) is str else read_yaml(v, f"the value of override '{ov}'") if v.strip() else ""
     if isinstance(raw.get("vllm_server_url"), str):  # one URL alone, or several comma-separated
         raw["vllm_server_url"] = [u.strip() for u in raw["vllm_server_url"].split(",") if u.strip()]
@@ -2702,7 +2769,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if k not in hints:
             close = difflib.get_close_matches(k, hints, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
-            raise ConfigError(f"unknown config key '{k}'{f' in {path}' if path else ''}{hint}")
+            where = f" in the override '{overridden[k]}' on the command line" if k in overridden else f" in {path}"
+            raise ConfigError(f"unknown config key '{k}'{where if path or k in overridden else ''}{hint}")
         values[k], rule = _coerce(k, v, hints[k]), rules.get(k)
         if isinstance(rule, tuple) and values[k] not in rule:
             raise ConfigError(f"config key '{k}' must be one of {', '.join(rule)}, got {v!r}")
@@ -2725,7 +2793,57 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             )
     if not cfg.output_dir:
         cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0] if path else "default")
+    named = [ov for k, ov in overridden.items() if k not in UNNAMED_OVERRIDES]
+    if named and "output_dir" not in overridden:  # an ablation gets a folder of its own: runs/NAME--key=value
+        cfg.output_dir = cfg.output_dir.rstrip("/") + "--" + re.sub(r"[^\w.=,+-]", "_", "--".join(named))
+    locate_paths(cfg, path, say)
     return cfg
+
+
+# overrides that do not change what a run learns, so they do not name its folder (a resume finds the run's own)
+UNNAMED_OVERRIDES = {
+    "output_dir", "resume_from_checkpoint", "max_steps", "save_steps", "log_episodes_steps", "report_to",
+    "wandb_project", "eval_dataset", "eval_steps", "eval_max_examples", "vllm_server_url", "vllm_gpus", "train_gpus",
+    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+}  # fmt: skip
+
+
+def locate_paths(cfg: Config, recipe: str | None, say=None):
+    """Plug-in and data paths, made absolute: relative to the recipe's folder first, then the working folder, then
+    this file's folder. model_name_or_path is taken where model_builder's file was found (so a missing model is built
+    beside its builder), else where it exists; a hub id stays as it is. `say` names each folder used past the first."""
+    bases = [os.path.dirname(os.path.abspath(recipe))] if recipe else []
+    bases += [os.getcwd(), os.path.dirname(os.path.abspath(__file__))]
+    found_in = {}  # path as written -> the folder it was found in
+
+    def find(p: str, only: str | None = None) -> str:
+        p = os.path.expanduser(p)
+        if not p or os.path.isabs(p):
+            return p
+        for base in [only] if only else bases:
+            full = os.path.normpath(os.path.join(base, p))
+            if only or os.path.exists(full):
+                found_in[p] = base
+                return full
+        return p  # not found anywhere: left as written, for the loader's "not found" line
+
+    def spec(s: str) -> str:
+        if s.endswith(".jsonl") or ":" not in s:
+            return find(s)
+        file, name = s.rsplit(":", 1)
+        return f"{find(file)}:{name}"
+
+    cfg.tools = [spec(s) for s in cfg.tools]
+    cfg.turn_reward_funcs = [spec(s) for s in cfg.turn_reward_funcs]
+    cfg.outcome_reward_funcs = [spec(s) for s in cfg.outcome_reward_funcs]
+    cfg.dataset = spec(cfg.dataset)
+    cfg.eval_dataset = spec(cfg.eval_dataset)
+    builder_file = os.path.expanduser(cfg.model_builder.rsplit(":", 1)[0])
+    cfg.model_builder = spec(cfg.model_builder)
+    cfg.model_name_or_path = find(cfg.model_name_or_path, found_in.get(builder_file))
+    for base in dict.fromkeys(b for b in found_in.values() if b != bases[0] and say):
+        paths = ", ".join(p for p, b in found_in.items() if b == base)
+        say(f"[mt-grpo] {paths}: not beside the recipe, taken from {base}")
 
 
 def check_branching(cfg: Config):
@@ -2767,7 +2885,9 @@ def print_help():
         + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
         "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
         "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
-        "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n\nrecipe keys:"
+        "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n"
+        "       python mt_grpo_trainer.py plot RUN_DIR [RUN_DIR ...] [--out FILE]   (curves; several runs on one)\n\n"
+        "recipe keys:"
     )
     for name, default in dataclasses.asdict(Config()).items():
         rule = rules.get(name, "")

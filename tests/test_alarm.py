@@ -55,3 +55,34 @@ def test_the_alarm_is_off_at_zero_and_a_steady_low_rate_is_no_collapse():
     off, steady = M.ToolCollapseAlarm(0.0, 3), M.ToolCollapseAlarm(0.5, 3)
     assert not any(off.update(s, r) for s, r in enumerate([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]))
     assert not any(steady.update(s, 0.1) for s in range(20)) and not steady.on
+
+
+def test_a_tool_rate_that_never_rose_is_no_collapse():
+    """A policy that called its tool once in 300 first turns and then never: a peak of 0.00 has nothing to lose."""
+    alarm = M.ToolCollapseAlarm(0.5, 3)
+    rates = [0.0, 0.01, 0.0] + [0.0] * 20
+    assert not any(alarm.update(s, r) for s, r in enumerate(rates)) and not alarm.on
+
+
+def test_a_step_where_no_group_has_reward_spread_is_explained_once(tmp_path):
+    """A new task whose model never earns a reward: every advantage is 0, so the run says why nothing is learned, and
+    what to try, once; a step with spread says nothing."""
+    cfg = recipe_cfg(tmp_path)
+    os.makedirs(cfg.output_dir)
+    lines = []
+    logger = M.MetricsLogger(cfg, 0, 1, 0, write=lines.append)
+    for step in (1, 2, 3):
+        eps = [episode(1, "answer") for _ in range(4)]
+        for ep in eps:
+            ep.advantages = [0.0]
+        logger.log(step, {**M.episode_metrics(eps), "rollout/rejected_nonfinite": 0, "time/step": 0.1}, eps, {})
+    notes = [x for x in lines if "no gradient" in x]
+    assert len(notes) == 1 and "at step 1" in notes[0], lines
+    assert all(w in notes[0] for w in ("few-shot", "warm start", "partial credit", "call the tool"))
+    lines.clear()
+    logger = M.MetricsLogger(cfg, 0, 1, 0, write=lines.append)
+    eps = [episode(1, "answer") for _ in range(4)]
+    for ep, a in zip(eps, (1.0, -1.0, 1.0, -1.0)):
+        ep.advantages = [a]
+    logger.log(1, {**M.episode_metrics(eps), "rollout/rejected_nonfinite": 0, "time/step": 0.1}, eps, {})
+    assert not [x for x in lines if "no gradient" in x]

@@ -126,6 +126,35 @@ def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):
     assert "seed: 1" in (tmp_path / "run" / "config.yaml").read_text()
 
 
+def test_a_run_that_fails_before_its_first_step_leaves_the_earlier_run_in_place_and_no_lock(tmp_path, tiny_model_dir):
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "max_steps=1",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=8",
+    ]
+    M.train(recipe_cfg(tmp_path, *common))
+    earlier = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(M.ConfigError, match="does not exist"):
+        M.train(recipe_cfg(tmp_path, *common, f"model_name_or_path={tmp_path}/no-such-model", "seed=1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "nothing moved aside, no lock file left"
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == earlier
+    assert "seed: 0" in (tmp_path / "run" / "config.yaml").read_text()
+    reward = tmp_path.parent / f"{tmp_path.name}-reward.py"  # passes the load-time check, raises in the first step
+    reward.write_text(
+        "def picky(completions, **kw):\n    assert all(c[-1]['content'] == '.' for c in completions)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    with pytest.raises(M.ConfigError, match="picky"):
+        M.train(recipe_cfg(tmp_path, *common, f"outcome_reward_funcs=[{reward}:picky]", "seed=2"))
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+        and (tmp_path / "run" / "metrics.jsonl").read_text() == earlier
+    )
+
+
 def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     common = [

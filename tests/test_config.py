@@ -30,8 +30,11 @@ def test_unknown_key_names_the_key_and_the_closest_valid_one(tmp_path):
         M.ConfigError, match=r"unknown config key 'learning_rte' in .*r\.yaml; did you mean 'learning_rate'"
     ):
         M.load_config(write(tmp_path, "learning_rte: 1.0e-5\n"))
-    with pytest.raises(M.ConfigError, match=r"unknown config key 'num_generation'; did you mean 'num_generations'"):
+    override = r"unknown config key 'num_generation' in the override 'num_generation=4' on the command line; did you"
+    with pytest.raises(M.ConfigError, match=override + r" mean 'num_generations'"):
         M.load_config(None, ["num_generation=4"])
+    with pytest.raises(M.ConfigError, match=override):  # a typo on the command line is not the recipe's
+        M.load_config(write(tmp_path, "seed: 1\n"), ["num_generation=4"])
 
 
 @pytest.mark.parametrize(
@@ -246,14 +249,14 @@ def stream(completions, **kw):
         ("turn_reward_funcs=[{p}:stream]", "reward function '{p}:stream' is an async def or a generator"),
         (
             "tools=[tools/kv_lookup.py:lookup, {d}/other.py:lookup]",
-            "tools 'tools/kv_lookup.py:lookup' and '{d}/other.py:lookup' are both named 'lookup'; rename one",
+            "tools '{r}/tools/kv_lookup.py:lookup' and '{d}/other.py:lookup' are both named 'lookup'; rename one",
         ),
     ],
 )
 def test_tools_and_rewards_that_could_only_fail_later_fail_at_load(tmp_path, capsys, override, needle):
     (tmp_path / "plugins.py").write_text(PLUGINS)
     (tmp_path / "other.py").write_text("def lookup(key: str) -> str:\n    return 'other'\n")
-    fmt = dict(p=tmp_path / "plugins.py", d=tmp_path)
+    fmt = dict(p=tmp_path / "plugins.py", d=tmp_path, r=os.path.dirname(os.path.abspath(M.__file__)))
     err = toy_error(capsys, tmp_path, override.format(**fmt))
     assert needle.format(**fmt) in err, err
 
@@ -363,3 +366,42 @@ def test_every_relative_link_in_the_docs_resolves():
                     for h in re.findall(r"^#+ (.*)$", open(full).read(), re.M)
                 }
                 assert anchor[1:] in slugs, f"{doc}: no heading for {path}{anchor}"
+
+
+def test_an_override_gives_the_run_a_folder_of_its_own_and_a_resume_finds_it():
+    recipe = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
+    assert M.load_config(recipe).output_dir == "runs/toy-kv--mt-grpo"
+    ablation = M.load_config(recipe, ["advantage_mode=grpo_outcome", "seed=3"]).output_dir
+    assert ablation == "runs/toy-kv--mt-grpo--advantage_mode=grpo_outcome--seed=3"
+    resumed = M.load_config(recipe, ["advantage_mode=grpo_outcome", "seed=3", "resume_from_checkpoint=auto"])
+    assert (
+        resumed.output_dir == ablation and M.load_config(recipe, ["max_steps=5"]).output_dir == "runs/toy-kv--mt-grpo"
+    )
+    assert M.load_config(recipe, ["seed=3", "output_dir=runs/mine"]).output_dir == "runs/mine"
+
+
+def test_recipe_paths_resolve_beside_the_recipe_then_the_working_folder_then_the_trainer(tmp_path, monkeypatch):
+    """A recipe in a folder of its own, run from a third folder: its plug-ins beside it win, the shipped ones come
+    from the trainer's folder (said), and the model is built beside its builder, wherever the run starts."""
+    task = tmp_path / "mytask"
+    task.mkdir()
+    (task / "tools.py").write_text("def lookup(key: str) -> str:\n    return key\n")
+    (task / "build.py").write_text("def build(path, system_prompt=''):\n    pass\n")
+    (task / "r.yaml").write_text(
+        "model_name_or_path: models/mine\nmodel_builder: build.py:build\ntools: [tools.py:lookup]\n"
+        "dataset: tasks/toy_kv.py:make_dataset\noutcome_reward_funcs: [rewards/toy_kv_reward.py:exact_answer_reward]\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    said = []
+    cfg = M.load_config(str(task / "r.yaml"), [], said.append)
+    root = os.path.dirname(os.path.abspath(M.__file__))
+    assert cfg.tools == [f"{task}/tools.py:lookup"] and cfg.model_builder == f"{task}/build.py:build"
+    assert cfg.model_name_or_path == f"{task}/models/mine", "built beside its builder"
+    assert cfg.dataset == f"{root}/tasks/toy_kv.py:make_dataset"
+    assert cfg.outcome_reward_funcs == [f"{root}/rewards/toy_kv_reward.py:exact_answer_reward"]
+    assert said == [f"[mt-grpo] rewards/toy_kv_reward.py, tasks/toy_kv.py: not beside the recipe, taken from {root}"]
+    shipped = M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [])  # a shipped recipe, from another folder
+    assert shipped.model_name_or_path == f"{root}/.cache/toy-kv-model-hd32"
+    assert shipped.model_builder == f"{root}/tasks/toy_kv.py:build_model"

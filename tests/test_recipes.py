@@ -4,10 +4,12 @@ pin the vLLM version of the CPU build the tests run and stay in step with the CP
 import glob
 import inspect
 import os
+import re
 
 import pytest
 
 import mt_grpo_trainer as M
+from conftest import ROOT
 
 RECIPES = sorted(glob.glob("hf_recipes/**/*.yaml", recursive=True))
 
@@ -69,3 +71,22 @@ def test_gpu_requirements_pin_vllm_and_match_the_cpu_set_elsewhere():
     assert {k: v for k, v in gpu.items() if k not in ("vllm", "torch", "transformers")} == {
         k: v for k, v in cpu.items() if k not in ("torch", "transformers")
     }
+
+
+def test_the_docs_task_of_your_own_builds_its_model_beside_it_and_trains(tmp_path, monkeypatch):
+    """docs/your-task.md's two files as a user copies them (the warm-start cut to 4 steps), run from the folder
+    above them: the model is built beside the builder and a step trains."""
+    doc = open(os.path.join(ROOT, "docs", "your-task.md")).read()
+    files = re.findall(r"<!-- recipe: (my_task/[\w.]+) -->\n```\w+\n(.*?)```", doc, re.S)
+    assert [name for name, _ in files] == ["my_task/calc.py", "my_task/calc.yaml"]
+    (tmp_path / "my_task").mkdir()
+    for name, body in files:
+        (tmp_path / name).write_text(body)
+    code = (tmp_path / "my_task" / "calc.py").read_text()
+    quick = "WARM = dict(WARMSTART, steps=4, lookup_only_steps=2, demonstrations=64)"
+    (tmp_path / "my_task" / "calc.py").write_text(code.replace("WARM = dict(WARMSTART)", quick))
+    monkeypatch.chdir(tmp_path)
+    overrides = ["max_steps=1", "prompts_per_step=2", "num_generations=2", f"output_dir={tmp_path}/run"]
+    M.train(M.load_config("my_task/calc.yaml", overrides))
+    assert (tmp_path / "my_task" / "models" / "calc" / "build_report.json").is_file()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1

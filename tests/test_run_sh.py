@@ -642,3 +642,99 @@ def test_from_another_host_a_served_model_answers_only_the_token(tmp_path, tiny_
             assert [h["step"] for h in hist] == [1, 2] and all(h["sync/servers_checked"] == 1 for h in hist)
         finally:
             stop_real_server(p)  # run.sh's EXIT trap stops the front and the stand-in behind it
+
+
+def recording_python(path, log, version_ok=True):
+    """A stand-in for a venv's python that appends each command line to `log` and, for run.sh's version check,
+    answers as Python 3.11 (or as 3.12)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f'#!/bin/sh\ncase "$1" in -c) exit {0 if version_ok else 1};; --version) echo Python 3.12.1; exit;; esac\n'
+        f'echo "$*" >> {log}\n'
+    )
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_run_sh_takes_torch_from_the_cpu_index_where_there_is_no_gpu(tmp_path, gpu):
+    """Plain pip on a CPU-only Linux resolves PyPI's torch==2.13.0 to the CUDA build and ~15 nvidia-* wheels: without
+    a GPU run.sh installs torch first, alone, from PyTorch's CPU index, then the rest (torch then is satisfied)."""
+    log = tmp_path / "calls"
+    recording_python(tmp_path / "venv" / "bin" / "python", log)
+    bin_dir = fake_bin(tmp_path, "#!/bin/sh\nexit 1\n")
+    if not gpu:
+        (bin_dir / "nvidia-smi").unlink()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MTGRPO_VENV": str(tmp_path / "venv")}
+    env.pop("MTGRPO_TORCH_INDEX", None)
+    env.pop("MTGRPO_REQUIREMENTS", None)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "run.sh"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    calls = [line.split() for line in log.read_text().splitlines()]
+    installs = [c for c in calls if c[:3] == ["-m", "pip", "install"]]
+    if gpu:
+        assert len(installs) == 1 and installs[0][-1] == os.path.join(ROOT, "requirements-gpu.txt")
+        assert "--extra-index-url" not in installs[0]
+    else:
+        torch_pin = [c for c in installs if "torch==2.13.0" in c]
+        assert len(installs) == 2 and installs[0] == torch_pin[0], installs
+        assert installs[0][installs[0].index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+        assert "--no-deps" in installs[0]
+        assert installs[1][-2:] == ["-r", os.path.join(ROOT, "requirements.txt")]
+        assert "--extra-index-url" not in installs[1]
+    assert calls[-1] == [os.path.join(ROOT, "mt_grpo_trainer.py"), "--help"]  # run from another folder
+
+
+def test_run_sh_needs_python_3_11_and_says_so_in_one_line(tmp_path):
+    log = tmp_path / "calls"
+    recording_python(tmp_path / "py312" / "python3", log, version_ok=False)
+    env = {**os.environ, "MTGRPO_PYTHON": str(tmp_path / "py312" / "python3"), "MTGRPO_VENV": str(tmp_path / "venv")}
+    r = subprocess.run(["bash", "run.sh", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "needs Python 3.11" in r.stderr and "Python 3.12.1" in r.stderr and "MTGRPO_PYTHON" in r.stderr
+    assert not (tmp_path / "venv").exists() and not log.exists()
+
+
+def test_run_sh_train_recipe_works_as_the_usage_says(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(
+        tmp_path, bin_dir, M.free_port(), "train", "hf_recipes/toy/toy-kv--mt-grpo.yaml", "train_gpu=0", timeout=120
+    )
+    assert r.returncode == 1 and "recipe not found" not in r.stderr, r.stderr
+    assert "unknown config key 'train_gpu' in the override 'train_gpu=0' on the command line" in r.stderr
+
+
+def test_a_gpu_recipe_on_a_machine_without_a_gpu_says_so_before_any_download(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/Qwen/Qwen3-1.7B--mt-grpo-1gpu.yaml", timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "is a GPU recipe" in r.stderr and "nvidia-smi sees no GPU" in r.stderr and "mixed_precision=no" in r.stderr
+    assert "layout" not in r.stdout and not (tmp_path / "launched").exists()
+
+
+def test_a_server_url_run_names_its_servers_in_the_header_not_local_one_process(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    url = f"http://127.0.0.1:{M.free_port()}"
+    r = run_sh(
+        tmp_path,
+        bin_dir,
+        M.free_port(),
+        "eval",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        "--server-url",
+        url,
+        "eval_dataset=",
+        f"output_dir={tmp_path}/run",
+        timeout=120,
+    )
+    assert f"[run.sh] layout: one process, sampling from the vLLM server(s) at {url}" in r.stdout, r.stdout + r.stderr
+    assert "local, one process" not in r.stdout and "eval needs eval_dataset" in r.stderr

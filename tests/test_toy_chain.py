@@ -1,6 +1,7 @@
 """The multi-hop task (tasks/toy_chain.py): its tool, data, rewards (per turn and episode level), recipe and model."""
 
 import json
+import os
 import random
 
 import pytest
@@ -129,8 +130,9 @@ def test_the_demonstrations_show_the_tool_reply_the_environment_gives():
 def test_recipe_loads_with_room_for_the_whole_chain():
     cfg = M.load_config(RECIPE)
     assert cfg.max_env_steps == HOPS and cfg.tool_format == "xml"
-    assert cfg.turn_reward_funcs == ["rewards/toy_chain_reward.py:first_hop_reward"]
-    assert (cfg.model_builder, cfg.eval_dataset) == (
+    root = os.path.dirname(os.path.abspath(M.__file__))  # recipe paths are made absolute where they were found
+    assert [os.path.relpath(s, root) for s in cfg.turn_reward_funcs] == ["rewards/toy_chain_reward.py:first_hop_reward"]
+    assert (os.path.relpath(cfg.model_builder, root), os.path.relpath(cfg.eval_dataset, root)) == (
         "tasks/toy_chain.py:build_model",
         "tasks/toy_chain.py:make_eval_dataset",
     )

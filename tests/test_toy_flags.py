@@ -1,5 +1,6 @@
 """The paper-effect task (tasks/toy_flags.py): its tool, its rewards, its recipe, and bench/paper_effect.py's tables."""
 
+import os
 import random
 import sys
 
@@ -114,8 +115,10 @@ def test_recipe_loads_and_its_reward_functions_are_the_papers_columns():
     assert names[:2] == ["tool_execution_reward", "answer_in_result_reward"]  # turn level: the tool turn
     assert set(names) == set(paper_effect.COLUMNS)
     assert (
-        cfg.eval_dataset == "tasks/toy_flags.py:make_eval_dataset"
-        and cfg.model_builder == "tasks/toy_flags.py:build_model"
+        os.path.relpath(cfg.eval_dataset, os.path.dirname(os.path.abspath(M.__file__)))
+        == "tasks/toy_flags.py:make_eval_dataset"
+        and os.path.relpath(cfg.model_builder, os.path.dirname(os.path.abspath(M.__file__)))
+        == "tasks/toy_flags.py:build_model"
     )
 
 

@@ -626,3 +626,17 @@ def test_hub_source_reads_train_and_validation_and_dedupes(monkeypatch):
     ]
     assert len(train) == 6 and len(ev) == 2 and not {r["question_id"] for r in train} & {r["question_id"] for r in ev}
     assert train == T.rows_of(recs[:6])
+
+
+def test_the_sample_recipe_reads_its_questions_and_corpus_from_the_repository():
+    """A fresh clone has no ../shared: the CPU recipe's TriviaQA sample ships in tasks/data, the files the
+    fixtures hold (source and licence in tasks/data/SOURCES.md)."""
+    from tasks import triviaqa_sample as S
+
+    root = os.path.dirname(os.path.abspath(M.__file__))
+    for shipped, fixture_file in ((S.QUESTIONS, TQA), (S.EVIDENCE, EVIDENCE)):
+        assert os.path.commonpath([root, shipped]) == root and os.path.isfile(shipped), shipped
+        if os.path.isfile(fixture_file):
+            assert open(shipped, "rb").read() == open(fixture_file, "rb").read()
+    assert "CC BY-SA" in open(os.path.join(root, "tasks", "data", "SOURCES.md")).read()
+    assert len(T.read_local(S.QUESTIONS)) == 9

@@ -1,0 +1,64 @@
+"""A picture of a run: curves.png at a run's end, `plot` for several runs on one picture, and the end-of-run summary
+of a short run."""
+
+import json
+
+import pytest
+
+import mt_grpo_trainer as M
+from conftest import recipe_cfg
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(folder, steps: int, slope: float, eval_every: int = 0):
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            m = {"step": step, "reward/outcome": slope * step / steps, "reward/turn": 0.5, "time/step": 0.1}
+            m.update({"rollout/tool_calls": 1.0, "loss/policy": 0.01 * (-1) ** step})
+            if eval_every and step % eval_every == 0:
+                m["eval/exact_answer_reward"] = slope * step / steps
+            f.write(json.dumps(m) + "\n")
+        f.write('{"step": ')  # a torn last line, as a run killed mid-write leaves
+
+
+def test_plot_draws_several_runs_on_one_picture(tmp_path, capsys):
+    write_run(tmp_path / "runs" / "toy--mt_grpo", 30, 1.0, eval_every=10)
+    write_run(tmp_path / "runs" / "toy--advantage_mode=grpo_outcome", 30, 0.5, eval_every=10)
+    out = tmp_path / "ablation.png"
+    with pytest.raises(SystemExit) as done:
+        M.main(
+            [
+                "plot",
+                str(tmp_path / "runs" / "toy--mt_grpo"),
+                str(tmp_path / "runs" / "toy--advantage_mode=grpo_outcome"),
+                "--out",
+                str(out),
+            ]
+        )
+    assert done.value.code == 0 and out.read_bytes().startswith(PNG)
+    assert str(out) in capsys.readouterr().out
+
+
+def test_plot_of_a_folder_without_metrics_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        M.main(["plot", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert (
+        done.value.code == 1
+        and err == f"plot: error: {tmp_path / 'nope'} is not a run folder: no metrics.jsonl in it\n"
+    )
+
+
+def test_a_short_runs_summary_compares_its_first_and_last_steps_and_draws_its_curves(tmp_path, capsys):
+    cfg = recipe_cfg(tmp_path)
+    write_run(tmp_path / "run", 3, 1.0)
+    history = json.loads("[" + ",".join((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[:3]) + "]")
+    M.summarize(cfg, history)
+    out = capsys.readouterr().out
+    assert "before/after: step 1 -> step 3" in out and "reward/outcome         0.333 -> 1.000" in out, out
+    assert (
+        f"run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/, curves.png" in out
+    )
+    assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG)
