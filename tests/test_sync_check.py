@@ -155,3 +155,40 @@ def test_the_difference_bound_turned_off_keeps_the_reload_check(tmp_path, monkey
     run = simulated_run(tmp_path, monkeypatch, sim, SimulatedServer(sim, "stale"), "sync_check_max_diff=0")
     stopped, _, said = train_and_sync(run, sim, 5)
     assert stopped == 1 and "did not take" in said
+
+
+def test_a_server_that_dies_during_the_check_is_down_like_any_other_and_checked_once_taken_back(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Issue 38: one of two servers dies right after it answered the sync's probe (every time: the probe itself kills
+    it, no timing). The sync goes on; the next one finds it down, leaves it and checks the other; once it answers
+    again a sync takes it back and checks it. (Before, a second probe lacked it and the run stopped on a KeyError.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tests.vllm_standin import StandinServer
+
+    with StandinServer(tiny_model_dir) as a, StandinServer(tiny_model_dir) as b:
+        urls = f"{a.url},{b.url}"
+        cfg = recipe_cfg(tmp_path, f"vllm_server_url={urls}", f"weight_sync_dir={tmp_path}/shm", "request_deadline=6")
+        run = M.Run(cfg, 0, 1, torch.device("cpu"))
+        run.model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        run.sampler = M.VLLMServerClient(cfg, a.vocab_size, {a.vocab_size - 1})
+        run.probe_ids = list(range(3, 23))
+        assert run.sync(0)["sync/servers_checked"] == 2
+        answered = M.VLLMServerClient.probe_logprobs
+
+        def b_dies_once_it_answered(self, ids):
+            out = answered(self, ids)
+            b.faults.set_engine_dead()
+            return out
+
+        monkeypatch.setattr(M.VLLMServerClient, "probe_logprobs", b_dies_once_it_answered)
+        assert run.sync(1)["sync/servers_checked"] in (1, 2), "the sync goes on"
+        monkeypatch.setattr(M.VLLMServerClient, "probe_logprobs", answered)
+        assert run.sync(2)["sync/servers_checked"] == 1, "b is down: a alone is checked"
+        down = run.sampler.servers[1]
+        assert down.down_since is not None, "found down (by the reload or the probe) and left"
+        b.faults.set_engine_dead(False)
+        down.checked = -1e9  # no 2-second memory of the last GET /health
+        assert run.sync(3)["sync/servers_checked"] == 2, "taken back, synced and checked"
+        assert down.down_since is None and down.version == 3
