@@ -1117,15 +1117,17 @@ def main(argv=None):
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
 
-def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor) -> tuple[float, float]:
+def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor, noise: float | None = None) -> tuple[float, float]:
     """The least-squares slope (through 0) of the server's per-token logprob change on the trainer's, and its standard
-    error from the scatter about that line (infinite while the trainer's change is 0)."""
+    error: from `noise`, the variance a token's change may carry, else from the scatter about the line (infinite while
+    the trainer's change is 0)."""
     own_sq = float(own_change.square().sum())
     if own_sq == 0:
         return 0.0, math.inf
     slope = float((srv_change * own_change).sum()) / own_sq
-    scatter = float((srv_change - slope * own_change).square().sum()) / (len(own_change) - 1)
-    return slope, math.sqrt(scatter / own_sq)
+    if noise is None:
+        noise = float((srv_change - slope * own_change).square().sum()) / (len(own_change) - 1)
+    return slope, math.sqrt(noise / own_sq)
 
 
 @dataclass
@@ -1234,12 +1236,11 @@ class Run:
             )
         first, last = self.probe_ref.setdefault(url, [(version, srv, own)] * 2)
         recent, recent_se = follow_slope(srv - last[1], own - last[2])
-        whole, _ = follow_slope(srv - first[1], own - first[2])
-        # Since the first sync the scatter about the line is mostly the missed change itself: its standard error is
-        # instead what bf16 and read noise give a token, at most the change of the first sync's gap (twice its mean
-        # square), over the trainer's change.
+        # Since the first sync the scatter about the line is mostly the missed change itself: the standard error is
+        # instead from what bf16 and read noise may give a token, at most the change of the first sync's gap (twice its
+        # mean square).
         noise = 2 * float((first[1] - first[2]).square().mean())
-        whole_se = math.sqrt(noise / max(float((own - first[2]).square().sum()), 1e-30))
+        whole, whole_se = follow_slope(srv - first[1], own - first[2], noise)
         out = [diff, float((own - last[2]).abs().mean())]
         for since, slope, se, tolerance in ((last[0], recent, recent_se, 0.5), (first[0], whole, whole_se, 0.1)):
             judged = se <= tolerance / 5

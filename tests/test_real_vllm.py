@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import requests
 import torch
@@ -174,17 +175,57 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
         print({k: round(v, 5) for k, v in m.items() if k.startswith("sync/")})
         assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff
         assert m["sync/probe_change"] < m["sync/probe_logprob_diff"], "one step: less than the bf16 gap"
-        assert m["sync/probe_repeat"] == 0, "the server repeats its logprobs to the bit, requests in flight or not"
-        assert m["sync/probe_follow"] > 0.8, "judged at every step: the server's logprobs moved on nearly every token"
+        assert abs(m.get("sync/probe_follow", 1) - 1) < 0.5, "where judged, the server's moved as the trainer's did"
+    assert any("sync/probe_follow" in m for m in hist), "judged"
     # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
     with pytest.raises(
-        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's on 0% of its tokens"
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 the server's .* moved -?0\.\d\d times as far"
     ) as e:
         M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/skipped"))
+    print(e.value)
+
+
+def test_the_sync_check_passes_noisy_correct_syncs_and_stops_a_partial_reload(real_vllm, tmp_path, monkeypatch):
+    """Faults in front of the real server: Gaussian noise (sigma 1e-3) on every probe logprob, as a GPU server that is
+    not batch-invariant gives, on correct syncs passes; a reload that leaves the last layer's MLP at the first sync's
+    weights (every reload after it skips those tensors) stops the run with the slope it measured."""
+    common = [
+        moving_run(tmp_path, real_vllm.model_dir)[0],
+        f"model_name_or_path={real_vllm.model_dir}",
+        "model_builder=",
+        f"vllm_server_url={real_vllm.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=4",
+        "num_generations=4",
+        "learning_rate=1e-4",
+        "log_episodes_steps=0",
+        "max_steps=6",
+    ]
+    probe = M.VLLMServerClient.probe_logprobs
+    rng = np.random.default_rng(0)
+    noisy = lambda self, ids: {u: list(lp + rng.normal(0, 1e-3, len(lp))) for u, lp in probe(self, ids).items()}
+    monkeypatch.setattr(M.VLLMServerClient, "probe_logprobs", noisy)
+    hist = M.train(recipe_cfg(tmp_path, *common, f"output_dir={tmp_path}/noisy"))
+    assert len(hist) == 6 and any("sync/probe_follow" in m for m in hist)
+    monkeypatch.setattr(M.VLLMServerClient, "probe_logprobs", probe)
+    reload = M.VLLMServerClient.sync_weights
+    first = {}
+
+    def last_mlp_stays(self, model, state_dict, version):
+        last = max(int(k.split("layers.")[1].split(".")[0]) for k in state_dict if "layers." in k)
+        stale = [k for k in state_dict if f"layers.{last}.mlp." in k]
+        first.update({k: state_dict[k].clone() for k in stale if k not in first})
+        return reload(self, model, {**state_dict, **first}, version)
+
+    monkeypatch.setattr(M.VLLMServerClient, "sync_weights", last_mlp_stays)
+    with pytest.raises(
+        M.SyncCheckError, match=r"since step 0 the server's .* moved 0\.\d\d times as far .*partial"
+    ) as e:
+        M.train(recipe_cfg(tmp_path, *common, "max_steps=20", f"output_dir={tmp_path}/partial"))
     print(e.value)
 
 
