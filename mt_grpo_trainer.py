@@ -1216,15 +1216,14 @@ class Run:
         return m
 
     def check_probe(self, url: str, version: int, srv, own) -> list[float]:
-        """One server's sync check (rank 0); returns mean |server - trainer|, the trainer's change since the last judged
-        sync, then for each span below the slope, its standard error and whether it was judged. First, the server's
-        logprobs are near the trainer's (within sync_check_max_diff; the bf16 gap is 0.01-0.02 on the toy model).
-        Second, they moved as the trainer's did: the least-squares slope of the server's per-token change on the
-        trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. The server's
-        bf16 rounding and its read noise (a GPU vLLM is not batch-invariant) scatter it; its standard error, from the
-        scatter about the line, says by how much. Two spans: since the last judged sync (a skipped reload: |slope - 1|
-        <= 0.5), and since the server's first sync (a partial reload, whose missed change adds up: <= 0.1); each is
-        judged once its standard error is a fifth of its tolerance (5 standard errors), and until then changes add up."""
+        """One server's sync check (rank 0). Its logprobs must be within sync_check_max_diff of the trainer's (0: no
+        bound), and must have moved as the trainer's did: the least-squares slope of the server's per-token change on
+        the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. bf16
+        arithmetic and read noise (a GPU vLLM is not batch-invariant) scatter it, so a span is judged once the slope's
+        standard error is a fifth of its tolerance; until then changes add up. Since the last judged sync (a skipped
+        reload) the tolerance is 0.5; since the server's first sync (a partial reload, whose missed change adds up)
+        0.1. Returns the mean |server - trainer|, the trainer's mean |change| since the last judged sync, then per
+        span the slope, its standard error and whether it was judged."""
         diff = float((srv - own).abs().mean())
         bound = self.cfg.sync_check_max_diff
         if bound and diff > bound:
@@ -1253,7 +1252,7 @@ class Run:
                     "a reload that did not take, or a partial one (some tensors kept their old values; see the "
                     "server's log), or the server serves something else."
                 )
-        if out[4]:  # the span since the last judged sync starts again here
+        if out[4]:  # judged: the span since the last judged sync starts again here
             self.probe_ref[url] = [first, (version, srv, own)]
         return out
 
