@@ -155,8 +155,9 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     stale, _ = mean_abs_diff(model, outs, prompts, 1.0)
     assert follows < AGREE < 10 * AGREE < stale, (follows, stale, n)
     # The trainer's own checks after every sync, on the warm-started model at a learning rate whose one-step change on
-    # the probe is below the bf16 gap (and far below sync_check_max_diff, the bound that gap needs): every sync is
-    # judged and passes when the weights arrive, also with requests in flight (max_staleness 1) ...
+    # the probe is below the bf16 gap (and far below sync_check_max_diff, the bound that gap needs): the syncs are
+    # judged (once their change stands out of the server's scatter) and pass when the weights arrive, also with
+    # requests in flight (max_staleness 1) ...
     serve(client, model, 4)
     common = [
         moving_run(tmp_path, real_vllm.model_dir)[0],  # rewards 0, 1, 0, 1 in every group: every step moves the weights
@@ -575,8 +576,8 @@ def test_a_run_on_two_real_servers_keeps_each_episode_on_one_and_checks_every_sy
         ]
         assert before and set(before) == {url}, "an episode's turns all go to one server"
     probes = [(url, b["cache_salt"].rsplit("-", 1)[1]) for url, b, _ in sent if "prompt_logprobs" in b]
-    assert sorted(probes) == sorted((u, f"v{v}") for u in urls for v in range(4) for _ in range(2)), (
-        "every sync (set-up, then after each of 3 steps) checked on both servers, twice"
+    assert sorted(probes) == sorted((u, f"v{v}") for u in urls for v in range(4)), (
+        "every sync (set-up, then after each of 3 steps) checked on both servers, once"
     )
     assert all(m["sync/servers_checked"] == 2 and m["sync/probe_logprob_diff"] < 0.05 for m in hist)
     assert all(m["rollout/server_balance"] > 0.6 and m["rollout/servers_lost"] == 0 for m in hist), hist
