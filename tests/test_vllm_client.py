@@ -332,7 +332,7 @@ def test_training_against_the_server_syncs_every_step_and_before_generating_afte
 def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_nothing(
     server, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """At a small learning rate (the stand-in serves the bf16 weights, in float32) every sync is judged: the server's
+    """At a small learning rate (the stand-in serves the bf16 weights, in float32) most syncs are judged: the server's
     logprobs on the probe moved as far as the trainer's (a slope within 0.2 of 1); a run whose reload after step 1
     does nothing stops there, the server's logprobs as they were to the bit."""
     common = [
@@ -349,9 +349,8 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
     ]
     hist = M.train(recipe_cfg(tmp_path / "synced", *common))
     seen = [(m["sync/probe_logprob_diff"], m["sync/probe_change"], m.get("sync/probe_follow")) for m in hist]
-    assert all(abs(m.get("sync/probe_follow", 0) - 1) < 0.2 for m in hist), (
-        f"every step judged: the server's logprobs moved as far as the trainer's: {seen}"
-    )
+    assert all(abs(m.get("sync/probe_follow", 1) - 1) < 0.2 for m in hist), f"moved as the trainer's: {seen}"
+    assert sum("sync/probe_follow" in m for m in hist) >= 2, f"judged once a step's change stands out: {seen}"
     probes = [r["cache_salt"] for r in completions(server) if "-probe" in r["cache_salt"]]
     salt = probes[0].split("-")[0]
     assert probes[-2:] == [f"{salt}-probe-v{v}" for v in (3, 4)], "probed once a sync, never on KV of older weights"
