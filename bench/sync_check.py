@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import mt_grpo_trainer as M  # noqa: E402
 from async_overlap import RECIPE, served  # noqa: E402
 
-STOPPED = re.compile(r"after step (\d+) on \S+: since step (\d+) .* moved (-?[\d.]+) times as far .*error ([\d.]+)")
+STOPPED = re.compile(
+    r"after step (\d+) on \S+: since step \d+ .* moved (-?[\d.]+) times .*error ([\d.]+); .* 1 \+- ([\d.]+) "
+)
 
 
 def noisy_probe(sigma, real):
@@ -123,8 +125,8 @@ def row(lr, k, kind, hist, said):
     found = STOPPED.search(said)
     stopped = "no"
     if found:
-        which = "first" if found[2] == "0" else "last judged"
-        stopped = f"step {found[1]}: since the {which} sync, slope {float(found[3]):.2f} (se {float(found[4]):.2f})"
+        which = "the first sync" if found[4] == "0.1" else "the last judged"
+        stopped = f"step {found[1]}: since {which}, slope {float(found[2]):.2f} (se {float(found[3]):.2f})"
     elif said:
         stopped = said[:80]
     return (
