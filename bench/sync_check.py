@@ -13,7 +13,8 @@ the weights). Per learning rate and max_staleness, one run per kind of reload:
 - `noise S`: every reload takes, and Gaussian noise of standard deviation S is added to every probe logprob on its way
   back (the check's false alarms);
 - `skipped`: every reload after the first does nothing;
-- `partial`: every reload after the first leaves the last layer's MLP (of 2 layers) at the first sync's weights.
+- `partial`: every reload after the first leaves the last layer's MLP (of 2 layers) at the first sync's weights;
+- `skipped, noise S` and `partial, noise S`: both faults (the check's misses under noise).
 The statistic is the slope of the server's per-token logprob change on the trainer's, over two spans: since the last
 judged sync (`sync/probe_follow`, judged once its standard error is <= 0.1, passes within 1 +- 0.5) and since the
 server's first sync (`sync/probe_follow_run`, judged at <= 0.02, passes within 1 +- 0.1). A run that stops gives
@@ -69,7 +70,7 @@ def faulty_reload(kind, real):
 
 
 def run(a, model, url, lr, staleness, kind):
-    name = f"lr{lr}-k{staleness}-{kind.replace(' ', '')}"
+    name = f"lr{lr}-k{staleness}-{kind.replace(' ', '').replace(',', '-')}"
     shutil.rmtree(os.path.join(a.out, name), ignore_errors=True)  # a fresh run, whose metrics are its own
     overrides = [
         f"lora_rank={a.lora}",
@@ -89,10 +90,11 @@ def run(a, model, url, lr, staleness, kind):
     ]
     real_probe = M.VLLMServerClient.probe_logprobs
     real_sync = M.VLLMServerClient.sync_weights
-    if kind.startswith("noise"):
-        M.VLLMServerClient.probe_logprobs = noisy_probe(float(kind.split()[1]), real_probe)
-    if kind in ("skipped", "partial"):
-        M.VLLMServerClient.sync_weights = faulty_reload(kind, real_sync)
+    if "noise" in kind:
+        M.VLLMServerClient.probe_logprobs = noisy_probe(float(kind.split("noise ")[1]), real_probe)
+    fault = kind.split(",")[0]
+    if fault in ("skipped", "partial"):
+        M.VLLMServerClient.sync_weights = faulty_reload(fault, real_sync)
     said = ""
     try:
         M.train(M.load_config(RECIPE, overrides))
