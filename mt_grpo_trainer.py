@@ -249,7 +249,7 @@ class Config:
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
-    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no sync checks)."""
+    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server that fails it is left at once while another is up)."""
     fsdp: bool = False
@@ -1158,6 +1158,15 @@ def main(argv=None):
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
 
+def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor, noise: float) -> tuple[float, float]:
+    """The least-squares slope (through 0) of the server's per-token logprob change on the trainer's, and its standard
+    error when each token's change may carry `noise` (a variance) of its own (infinite while the trainer's is 0)."""
+    own_sq = float(own_change.square().sum())
+    if own_sq == 0:
+        return 0.0, math.inf
+    return float((srv_change * own_change).sum()) / own_sq, math.sqrt(noise / own_sq)
+
+
 @dataclass
 class Run:
     """What `train()` uses: plug-ins, model and optimizer, environment, sampler, logger, rank, start step, signals.
@@ -1192,7 +1201,7 @@ class Run:
     pad_id: int = 0  # the token that pads micro-batches
     sampler: LocalSampler | VLLMServerClient | None = None  # or any class with the interface of appendix C
     probe_ids: list[int] = field(default_factory=list)  # the weight-sync check's fixed sequence
-    probe_ref: dict = field(default_factory=dict)  # per server, its reference: (version, its, trainer's, gap)
+    probe_ref: dict = field(default_factory=dict)  # per server, its references (version, its, trainer's): first, last
     steps: typing.Any = None  # a tqdm over the steps to run
     logger: MetricsLogger | None = None  # None with the eval command
     rollouts: RolloutProducer | None = None
@@ -1211,10 +1220,9 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
-        """A sampler with weights of its own (servers) samples from the current ones from now on; then two checks on
-        a fixed probe sequence, on every server (a failed, partial or skipped reload would otherwise train silently
-        off-policy): its logprobs match the trainer's (another model, a broken reload), and they moved since the last
-        judged sync, as the trainer's did (a reload that did nothing: the server repeats its logprobs to the bit)."""
+        """A sampler with weights of its own (servers) samples from the current ones from now on; then every server is
+        checked on a probe sequence (a failed, partial or skipped reload would otherwise train silently off-policy):
+        see check_probe. A server that dies during the check is down like any other, and checked once taken back."""
         if self.sampler.policy_version is None:  # in-process: it samples from the weights being trained
             return {}
         t = time.time()
@@ -1225,53 +1233,73 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
-        if self.cfg.sync_check_max_diff <= 0:
-            return m
+        if self.is_main and not self.probe_ref:  # the first check: the probe goes on with 4 texts the policy samples
+            for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
+                self.probe_ids = self.probe_ids + sampled.ids
+            self.probe_ids = self.probe_ids[-256:]
         ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
         with torch.no_grad():  # every rank runs the forward (FSDP); float32, no dropout, as the server
-            own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].float().cpu()
+            own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].double().cpu()
         self.model.train(was)
-        stats = [0.0] * 6  # rank 0's: check_probe's of the server farthest from the trainer, and how many it checked
-        if self.is_main:  # every server probed twice: its own noise (the CPU build repeats to the bit)
-            first, again = (self.sampler.probe_logprobs(self.probe_ids) for _ in range(2))
-            tensors = {url: (torch.tensor(first[url]), torch.tensor(again[url])) for url in first}
-            stats = [*max(self.check_probe(url, version, *pair, own) for url, pair in tensors.items()), len(first)]
-        diff, change, judged, follow, repeat, checked = all_reduce(*stats)
-        m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/probe_repeat": repeat})
-        m["sync/servers_checked"] = checked
-        if judged:
-            m["sync/probe_follow"] = follow
+        stats = [0.0] * 9  # rank 0's: check_probe's of the server farthest from the trainer, and how many it checked
+        if self.is_main:
+            checks = []
+            for url, logprobs in self.sampler.probe_logprobs(self.probe_ids).items():  # the servers that answered
+                checks.append(self.check_probe(url, version, torch.tensor(logprobs, dtype=torch.float64), own))
+            stats = [*max(checks), len(checks)]
+        diff, change, *follow, checked = all_reduce(*stats)
+        m.update({"sync/probe_logprob_diff": diff, "sync/probe_change": change, "sync/servers_checked": checked})
+        for name, (slope, se, judged) in zip(("probe_follow", "probe_follow_run"), (follow[:3], follow[3:])):
+            if judged:
+                m[f"sync/{name}"] = slope
+                m[f"sync/{name}_se"] = se
         return m
 
-    def check_probe(self, url: str, version: int, srv, again, own) -> list[float]:
-        """One server's sync check (rank 0), the two of `sync`. Returns mean |server - trainer|, the trainer's change,
-        judged, the share of tokens moved and its repeat noise."""
-        diff, repeat = float((srv - own).abs().mean()), float((again - srv).abs().mean())
-        # a server's first sync is its first reference
-        since, ref_srv, ref_own, ref_gap = self.probe_ref.setdefault(url, (version, srv, own, diff))
-        change, judged, follow = float((own - ref_own).abs().mean()), 0.0, 0.0
-        # The server's bf16 arithmetic moves nearly every token's logprob on any change of its weights (measured
-        # down to a change of a 600th of the bf16 gap; at a 2000th, not always), so a sync is judged once the
-        # trainer's change is a 50th of the gap and 4x the server's noise; until then changes add up. The share
-        # of tokens the server's logprobs moved on: ~1 when it followed, 0 when its weights stayed.
-        if change > max(4 * repeat, ref_gap / 50):
-            judged, follow = 1.0, float(((srv - ref_srv).abs() > (again - srv).abs().max()).float().mean())
-            self.probe_ref[url] = (version, srv, own, diff)
-        if diff > self.cfg.sync_check_max_diff:
+    def check_probe(self, url: str, version: int, srv, own) -> list[float]:
+        """One server's sync check (rank 0). Its logprobs must be within sync_check_max_diff of the trainer's (0: no
+        bound), and must have moved as the trainer's did: the least-squares slope of the server's per-token change on
+        the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. bf16
+        arithmetic and read noise (a GPU vLLM is not batch-invariant) scatter it, so a span is judged once the slope's
+        standard error is a fifth of its tolerance; until then changes add up. Since the last judged sync (a skipped
+        reload) the tolerance is 0.5, and a server that repeats its logprobs to the bit is judged at once; since the
+        server's first sync (a partial reload, whose missed change adds up) 0.1. Returns the mean |server - trainer|, the trainer's mean |change| since the last judged sync, then per
+        span the slope, its standard error and whether it was judged."""
+        diff = float((srv - own).abs().mean())
+        bound = self.cfg.sync_check_max_diff
+        if bound and diff > bound:
             raise SyncCheckError(
                 f"weight sync check failed after step {version} on {url}: on a {len(self.probe_ids)}-token probe "
-                f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_"
-                f"diff={self.cfg.sync_check_max_diff}). Likely: a failed or partial reload (see the "
-                "server's log), another model on the server, or a larger precision gap (raise the bound)."
+                f"the server's logprobs differ from the trainer's by {diff:.4f} on average (sync_check_max_diff="
+                f"{bound}). Likely: a failed or partial reload (see the server's log), another model on the server, "
+                "or a larger precision gap (raise the bound)."
             )
-        if judged and follow < 0.5:
-            raise SyncCheckError(
-                f"weight sync check failed after step {version} on {url}: since step {since:.0f} the trainer's "
-                f"logprobs on a {len(self.probe_ids)}-token probe moved by {change:.4f} on average, the "
-                f"server's on {follow:.0%} of its tokens (a repeated probe differs by {repeat:.4f}). Likely: "
-                "the reload did not take (see the server's log), or the server serves something else."
-            )
-        return [diff, change, judged, follow, repeat]
+        first, last = self.probe_ref.setdefault(url, [(version, srv, own)] * 2)
+        # What bf16 (its rounding moves with the weights) and read noise may give a token's change: twice the mean
+        # square of the first sync's gap, read through the same noise. The scatter about the line would understate it:
+        # a few weights whose bf16 rounding flips move many tokens together.
+        noise = 2 * float((first[1] - first[2]).square().mean())
+        recent, recent_se = follow_slope(srv - last[1], own - last[2], noise)
+        whole, whole_se = follow_slope(srv - first[1], own - first[2], noise)
+        change = float((own - last[2]).abs().mean())
+        # A server that repeats its logprobs to the bit (the CPU build) has no read noise, and any change of its bf16
+        # weights moves its logprobs (measured down to a change of a 600th of the gap; at a 2000th not always).
+        if torch.equal(srv, last[1]) and change > diff / 50:
+            recent_se = 0.0
+        out = [diff, change]
+        for since, slope, se, tolerance in ((last[0], recent, recent_se, 0.5), (first[0], whole, whole_se, 0.1)):
+            judged = se <= tolerance / 5
+            out += [slope, se, float(judged)]
+            if judged and abs(slope - 1) > tolerance:
+                raise SyncCheckError(
+                    f"weight sync check failed after step {version} on {url}: since step {since} the server's "
+                    f"logprobs on a {len(self.probe_ids)}-token probe moved {slope:.2f} times as far as the trainer's "
+                    f"(standard error {se:.2f}; a reload that took moves them 1 +- {tolerance} times as far). Likely: "
+                    "a reload that did not take, or a partial one (some tensors kept their old values; see the "
+                    "server's log), or the server serves something else."
+                )
+        if out[4]:  # judged: the span since the last judged sync starts again here
+            self.probe_ref[url] = [first, (version, srv, own)]
+        return out
 
     def check_logprobs_mode(self, prompt: list[int]):
         """A server started without `--logprobs-mode processed_logprobs` returns vLLM's raw logprobs (temperature 1, no
@@ -1412,7 +1440,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
         else LocalSampler(run.model, run.tokenizer)
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
-    run.probe_ids = prompt_ids[:64]  # the sync check's fixed sequence
+    run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # eval is greedy: no logprobs to check
         return run

@@ -1,22 +1,31 @@
-"""The weight-sync check's margin on the real vLLM CPU build: what it measures after correct syncs and after a reload
-that did nothing, on the warm-started toy model, at learning rates whose one-step change on the probe runs from
-several times the bf16 gap down to a small fraction of it.
+"""The weight-sync check's margin on the real vLLM CPU build: the statistic it judges and its threshold, after correct
+syncs, correct syncs read through Gaussian noise (what a GPU server that is not batch-invariant gives), reloads that
+did nothing and partial reloads, on the warm-started toy model, at learning rates whose one-step change on the probe
+runs from several times the bf16 gap down to a small fraction of it.
 
-    .venv/bin/python bench/sync_check.py                                  # lr 1e-4 3e-5 1e-5 1e-6, 8 steps each
+    .venv/bin/python bench/sync_check.py                                  # lr 1e-4 1e-5 1e-6, 8 steps each
     .venv/bin/python bench/sync_check.py --lrs 1e-5 --steps 20 --staleness 1
     .venv/bin/python bench/sync_check.py --lora 8 --lrs 1e-3 1e-4 1e-5     # LoRA: each sync loads an adapter
 
 One `bash run.sh serve`; each run trains in this process with rewards 0, 1, 0, 1 in every group (so every step moves
-the weights). Per learning rate and max_staleness: a synced run, whose every sync logs the trainer's change on the
-probe since the last judged sync (`sync/probe_change`), the bf16 gap (`sync/probe_logprob_diff`), the server's noise
-(`sync/probe_repeat`, two probes of one sync) and, when judged, the share of probe tokens the server's logprobs moved
-on (`sync/probe_follow`, >= 0.5 passes); then a run whose reloads after the first do nothing: the step it stopped
-at and the share it measured there.
+the weights). Per learning rate and max_staleness, one run per kind of reload:
+- `correct`: every reload takes;
+- `noise S`: every reload takes, and Gaussian noise of standard deviation S is added to every probe logprob on its way
+  back (the check's false alarms);
+- `skipped`: every reload after the first does nothing;
+- `partial`: every reload after the first leaves the last layer's MLP (of 2 layers) at the first sync's weights;
+- `skipped, noise S` and `partial, noise S`: both faults (the check's misses under noise).
+The statistic is the slope of the server's per-token logprob change on the trainer's, over two spans: since the last
+judged sync (`sync/probe_follow`, judged once its standard error is <= 0.1, passes within 1 +- 0.5) and since the
+server's first sync (`sync/probe_follow_run`, judged at <= 0.02, passes within 1 +- 0.1). A run that stops gives
+the step, the span, the slope and its standard error.
 """
 
 import argparse
+import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -28,8 +37,41 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import mt_grpo_trainer as M  # noqa: E402
 from async_overlap import RECIPE, served  # noqa: E402
 
+STOPPED = re.compile(
+    r"after step (\d+) on \S+: since step \d+ .* moved (-?[\d.]+) times .*error ([\d.]+); .* 1 \+- ([\d.]+) "
+)
 
-def run(a, model, url, lr, staleness, name, skip=False):
+
+def noisy_probe(sigma, real):
+    """probe_logprobs with Gaussian noise of standard deviation `sigma` on every logprob."""
+    rng = np.random.default_rng(0)
+
+    def probe(self, ids):
+        return {url: list(lps + rng.normal(0, sigma, len(lps))) for url, lps in real(self, ids).items()}
+
+    return probe
+
+
+def faulty_reload(kind, real):
+    """sync_weights whose reloads after the first do nothing (`skipped`) or keep the last layer's MLP (`partial`)."""
+    first = {}
+
+    def sync_weights(self, model, state_dict, version):
+        if kind == "skipped" and first:
+            return None
+        last = max(int(k.split("layers.")[1].split(".")[0]) for k in state_dict if "layers." in k)
+        stale = {k: v.clone() for k, v in state_dict.items() if f"layers.{last}.mlp." in k}
+        first.update({k: v for k, v in stale.items() if k not in first})
+        if kind == "partial":
+            state_dict = {**state_dict, **first}
+        return real(self, model, state_dict, version)
+
+    return sync_weights
+
+
+def run(a, model, url, lr, staleness, kind):
+    name = f"lr{lr}-k{staleness}-{kind.replace(' ', '').replace(',', '-')}"
+    shutil.rmtree(os.path.join(a.out, name), ignore_errors=True)  # a fresh run, whose metrics are its own
     overrides = [
         f"lora_rank={a.lora}",
         f"output_dir={os.path.join(a.out, name)}",
@@ -46,28 +88,60 @@ def run(a, model, url, lr, staleness, name, skip=False):
         "save_steps=0",
         "log_episodes_steps=0",
     ]
-    real = M.VLLMServerClient.sync_weights
-    if skip:  # the reload after every step does nothing; the first sync (before step 1) takes
-        M.VLLMServerClient.sync_weights = lambda self, m, sd, v: v == 0 and real(self, m, sd, v)
+    real_probe = M.VLLMServerClient.probe_logprobs
+    real_sync = M.VLLMServerClient.sync_weights
+    if "noise" in kind:
+        M.VLLMServerClient.probe_logprobs = noisy_probe(float(kind.split("noise ")[1]), real_probe)
+    fault = kind.split(",")[0]
+    if fault in ("skipped", "partial"):
+        M.VLLMServerClient.sync_weights = faulty_reload(fault, real_sync)
+    said = ""
     try:
-        hist = M.train(M.load_config(RECIPE, overrides))
+        M.train(M.load_config(RECIPE, overrides))
     except M.SyncCheckError as e:
-        return str(e)
+        said = str(e)
     finally:
-        M.VLLMServerClient.sync_weights = real
-    if len(hist) < a.steps:  # SIGTERM or Ctrl-C: the trainer saved and returned early; the bench (and its server) stop
+        M.VLLMServerClient.probe_logprobs = real_probe
+        M.VLLMServerClient.sync_weights = real_sync
+    hist = []
+    if os.path.exists(os.path.join(a.out, name, "metrics.jsonl")):  # the syncs before a stop too
+        with open(os.path.join(a.out, name, "metrics.jsonl")) as f:
+            hist = [json.loads(line) for line in f]
+    if not said and len(hist) < a.steps:  # SIGTERM or Ctrl-C: the trainer saved and returned early; the bench stops
         sys.exit(143)
-    return hist
+    return hist, said
 
 
-def span(xs, f="{:.4f}"):
-    return f"{f.format(min(xs))}–{f.format(max(xs))}"
+def span(xs, f="{:.2f}"):
+    if not xs:
+        return "-"
+    return f"{f.format(min(xs))} to {f.format(max(xs))}"
+
+
+def row(lr, k, kind, hist, said):
+    recent = [m["sync/probe_follow"] for m in hist if "sync/probe_follow" in m]
+    recent_se = [m["sync/probe_follow_se"] for m in hist if "sync/probe_follow" in m]
+    whole = [m["sync/probe_follow_run"] for m in hist if "sync/probe_follow_run" in m]
+    whole_se = [m["sync/probe_follow_run_se"] for m in hist if "sync/probe_follow_run" in m]
+    gap = [m["sync/probe_logprob_diff"] for m in hist]
+    found = STOPPED.search(said)
+    stopped = "no"
+    if found:
+        which = "the first sync" if found[4] == "0.1" else "the last judged"
+        stopped = f"step {found[1]}: since {which}, slope {float(found[2]):.2f} (se {float(found[3]):.2f})"
+    elif said:
+        stopped = said[:80]
+    return (
+        f"| {lr:g} | {k} | {kind} | {len(recent)}/{len(hist)} | {span(recent)} | {span(recent_se, '{:.3f}')} "
+        f"| {len(whole)}/{len(hist)} | {span(whole)} | {span(whole_se, '{:.3f}')} | {span(gap, '{:.4f}')} | {stopped} |"
+    )
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-5, 1e-5, 1e-6])
-    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 1e-5, 1e-6])
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0])
+    ap.add_argument("--kinds", nargs="+", default=["correct", "noise 1e-3", "noise 2e-3", "skipped", "partial"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lora", type=int, default=0, help="lora_rank (0: full fine-tuning)")
     ap.add_argument("--out", default="bench/runs/sync_check")
@@ -88,31 +162,18 @@ def main():
         print(f"vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
         for lr in a.lrs:
             for k in a.staleness:
-                hist = run(a, model, url, lr, k, f"lr{lr}-k{k}")
-                if isinstance(hist, str):  # a false alarm: the finding, not the bench's error
-                    print(f"  lr {lr} max_staleness {k}: a correct run stopped: {hist}", flush=True)
-                    continue
-                stopped = run(a, model, url, lr, k, f"lr{lr}-k{k}-skipped", skip=True)
-                rows.append((lr, k, hist, stopped))
-                print(f"  lr {lr} max_staleness {k}: done", flush=True)
+                for kind in a.kinds:
+                    rows.append(row(lr, k, kind, *run(a, model, url, lr, k, kind)))
+                    print(rows[-1], flush=True)
     how = f"LoRA rank {a.lora}" if a.lora else "full fine-tuning"
-    print(f"\nsync check, real vLLM CPU build, warm-started toy model, {how}, {a.steps} syncs per run\n")
+    print(f"\nsync check, real vLLM CPU build, warm-started toy model, {how}, {a.steps} syncs per run after set-up's\n")
     print(
-        "| lr | max_staleness | gap (probe_logprob_diff) | change (probe_change) | change / gap | judged "
-        "| tokens moved, correct syncs (probe_follow) | server noise (probe_repeat) | reloads skipped: stopped at, moved |"
+        "| lr | max_staleness | reloads | judged since last | slope since last judged (passes 1 +- 0.5) | its se "
+        "(judged <= 0.1) | judged since first | slope since first (passes 1 +- 0.1) | its se (judged <= 0.02) "
+        "| gap (probe_logprob_diff) | stopped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for lr, k, hist, stopped in rows:
-        judged = [m for m in hist if "sync/probe_follow" in m]
-        ch, gap = [m["sync/probe_change"] for m in hist], [m["sync/probe_logprob_diff"] for m in hist]
-        said = stopped if isinstance(stopped, str) else ""  # a run that did not stop returns its metrics
-        found = re.search(r"after step (\d+) on \S+: .* the server's on (\d+%) of its tokens", said)
-        print(
-            f"| {lr:g} | {k} | {span(gap)} | {span(ch)} | {span(np.divide(ch, gap), '{:.2f}')} | "
-            f"{len(judged)}/{len(hist)} | {span([m['sync/probe_follow'] for m in judged], '{:.2f}') if judged else '-'} | "
-            f"{max(m['sync/probe_repeat'] for m in hist):.4f} | "
-            + (f"step {found[1]}, {found[2]} |" if found else "never |")
-        )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -390,9 +390,9 @@ def test_training_against_the_server_syncs_every_step_and_before_generating_afte
 def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_nothing(
     server, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """At a learning rate whose step moves the probe far less than the bf16 gap (the stand-in serves the bf16 weights,
-    in float32), every sync is judged: the server's logprobs moved on nearly every token of the probe, as the trainer's did;
-    a run whose reload after step 1 does nothing stops there, the server's logprobs as they were to the bit."""
+    """At a small learning rate (the stand-in serves the bf16 weights, in float32) most syncs are judged: the server's
+    logprobs on the probe moved as far as the trainer's (a slope within 0.2 of 1); a run whose reload after step 1
+    does nothing stops there, the server's logprobs as they were to the bit."""
     common = [
         *moving_run(tmp_path, tiny_model_dir),
         "model_builder=",
@@ -407,20 +407,17 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
     ]
     hist = M.train(recipe_cfg(tmp_path / "synced", *common))
     seen = [(m["sync/probe_logprob_diff"], m["sync/probe_change"], m.get("sync/probe_follow")) for m in hist]
-    assert all(m["sync/probe_change"] < m["sync/probe_logprob_diff"] for m in hist), f"one step, below the gap: {seen}"
-    # a token whose logprob moves by less than float32's step at its value may repeat; the check stops below 50%
-    assert all(m.get("sync/probe_follow", 0) >= 0.9 and m["sync/probe_repeat"] == 0 for m in hist), (
-        f"every step judged: the server's logprobs moved on (nearly) every token, and it repeats them to the bit: {seen}"
-    )
+    assert all(abs(m.get("sync/probe_follow", 1) - 1) < 0.2 for m in hist), f"moved as the trainer's: {seen}"
+    assert sum("sync/probe_follow" in m for m in hist) >= 2, f"judged once a step's change stands out: {seen}"
     probes = [r["cache_salt"] for r in completions(server) if "-probe" in r["cache_salt"]]
     salt = probes[0].split("-")[0]
-    assert probes[-4:] == [f"{salt}-probe-v{v}" for v in (3, 3, 4, 4)], "probed twice, never on KV of older weights"
+    assert probes[-2:] == [f"{salt}-probe-v{v}" for v in (3, 4)], "probed once a sync, never on KV of older weights"
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(
         M.VLLMServerClient, "sync_weights", lambda self, m, sd, v: v == 0 and skip_after_step_0(self, m, sd, v)
     )
     with pytest.raises(
-        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 .* the server's on 0% of its tokens"
+        M.SyncCheckError, match=r"after step 1 on http://\S+: since step 0 the server's .* moved -?0\.\d\d times as far"
     ):
         M.train(recipe_cfg(tmp_path / "skipped", *common))
 
