@@ -908,22 +908,39 @@ class MultiTurnToolEnv:
 
 # === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
 
-LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in token_logprobs (64 MB)
+LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
 
 
-def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0. With a large vocabulary a
-    [B, T, vocab] float32 log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at
-    a time and is recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    logits, t = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1), temperature if temperature > 0 else 1.0
+def chunk_logprobs(logits, targets, temperature: float):
+    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
+    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
+    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
+    t = temperature if temperature > 0 else 1.0
 
     def chunk(x, y):
         return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    targets = ids.roll(-1, 1).flatten().split(n)  # next tokens; a row's last gets a dummy (its first), dropped below
-    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in zip(logits.split(n), targets)]
-    return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
+    pairs = zip(logits.split(n), targets.split(n))
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs])
+
+
+def token_logprobs(model, ids, attn, temperature: float):
+    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0."""
+    logits = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1)
+    targets = ids.roll(-1, 1).flatten()  # next tokens; a row's last gets a dummy (its first), dropped below
+    lp = chunk_logprobs(logits, targets, temperature)
+    return torch.nn.functional.pad(lp.view_as(ids)[:, :-1], (1, 0))
+
+
+def packed_logprobs(model, mb: dict, temperature: float):
+    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
+    rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
+    sharing that prefix share, and its own sample's next token as the target."""
+    logits = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"]).logits.flatten(0, 1)
+    lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
+    flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
+    return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
 
 
 def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
@@ -946,7 +963,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         for j, mb in enumerate(mbs):
             with gradient_sync(model, j == len(mbs) - 1):  # reduce over ranks once, after the last micro-batch
                 with autocast(cfg, device):
-                    logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+                    logp = packed_logprobs(model, mb, cfg.temperature)
                 args = (mb["sampler_logp"], mb["adv"], mb["mask"], cfg, num_tokens, num_seqs, mb["seq_tokens"])
                 loss, token_sums = grpo_loss(logp, mb.get("old", logp.detach()), *args, ref_logp=mb.get("ref"))
                 (loss * world).backward()
@@ -1492,13 +1509,15 @@ def load_models(cfg: Config, src: str, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = pretrained(AutoTokenizer, src)
-    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32)
+    kw = {"dtype": torch.float32, "attn_implementation": "flex_attention" if device.type == "cuda" else "sdpa"}
+    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)
+    check_packable(base.config, cfg.model_name_or_path)
     model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
     ref_model = model if cfg.lora_rank else None  # with LoRA: the policy itself, its adapters off
     if cfg.beta > 0 and not cfg.lora_rank:
-        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, **kw).to(device).eval()
         ref_model.requires_grad_(False)
     policy = wrap_model(model, cfg, device)  # what the loss runs through; `model` stays the HF (or peft) module
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -1507,6 +1526,17 @@ def load_models(cfg: Config, src: str, device: torch.device):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+def check_packable(config, path: str):
+    """Training packs samples into rows with a custom 4D mask and position ids (`pack_rows`), which only some
+    decoders take as given: one with a sliding window would drop its window, another its own mask."""
+    if config.model_type not in PACKED_MODEL_TYPES or getattr(config, "use_sliding_window", False):
+        window = " with a sliding window" if getattr(config, "use_sliding_window", False) else ""
+        raise ConfigError(
+            f"model_name_or_path '{path}' is a {config.model_type} model{window}, which packed training does not "
+            f"support; use a model of type {', '.join(PACKED_MODEL_TYPES)} (no sliding window)"
+        )
 
 
 def pretrained(cls, path: str, **kw):
@@ -2337,53 +2367,131 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    T = max(len(s.input_ids) for s in samples)
-
-    def pad(rows, fill, dtype=torch.float32):
-        return torch.tensor([r + [fill] * (T - len(r)) for r in rows], dtype=dtype, device=device)
-
-    return {
-        "ids": pad([s.input_ids for s in samples], pad_id, torch.long),
-        "attn": pad([[1] * len(s.input_ids) for s in samples], 0, torch.long),
-        "mask": pad([s.weights or s.loss_mask for s in samples], 0.0),  # a trained token's weight, 0 elsewhere
-        "sampler_logp": pad([s.sampler_logprobs for s in samples], 0.0),
-        "adv": pad([s.advantages for s in samples], 0.0),
-        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
-    }
+ROW_SPAN = 4  # SDPA (the CPU): a packed row holds at most this many longest samples' worth of tokens
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
 
 
-def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
-    """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
-    if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    mbs: list[list[Sample]] = []
-    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
-        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
-            mbs[-1].append(s)
+def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
+    """Packed rows of at most `capacity` tokens (a longer sample gets a row of its own), each a prefix trie laid out
+    depth first: samples sorted by token ids, each adds only its tokens after its common prefix with the one before
+    it in the row, so a prefix that samples share (a group's prompt, a branch's context) appears once. Merging is by
+    exact token ids: a shared token has the same ancestors in every sample, so it computes the same. A row's
+    `members` are (sample index, the row position of each of its tokens); `pos` is each token's depth on its path."""
+    rows: list[dict] = []
+    held: list[int] = []  # the token ids of the open row's last sample
+    for i in sorted(range(len(samples)), key=lambda i: samples[i].input_ids):
+        ids = samples[i].input_ids
+        shared = len(os.path.commonprefix([held, ids]))
+        if not rows or len(rows[-1]["ids"]) + len(ids) - shared > capacity:
+            rows.append({"ids": [], "pos": [], "members": []})
+            shared = 0
+        row = rows[-1]
+        start = len(row["ids"])
+        prefix = row["members"][-1][1][:shared] if shared else np.zeros(0, dtype=np.int64)
+        row["members"].append((i, np.concatenate([prefix, np.arange(start, start + len(ids) - shared)])))
+        row["ids"] += ids[shared:]
+        row["pos"] += range(shared, len(ids))
+        held = ids
+    return rows
+
+
+def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
+    """Rows longest first, as many to a micro-batch as fit `budget` tokens (rows x the longest); a longer row alone."""
+    mbs: list[list[dict]] = []
+    for row in sorted(rows, key=lambda row: -len(row["ids"])):
+        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0]["ids"]) <= budget:
+            mbs[-1].append(row)
         else:
-            mbs.append([s])
+            mbs.append([row])
     return mbs
 
 
+def attention_mask(end: torch.Tensor, flex: bool):
+    """Which keys each query sees in depth-first trie rows: key k's subtree is the span k..end[k], so query q sees k
+    iff k <= q <= end[k], its ancestors and itself. [R, 1, L, L] booleans for SDPA, or FlexAttention's block mask
+    (which skips the blocks that see nothing)."""
+    R, L = end.shape
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def ancestor(b, h, q, k):
+            return (k <= q) & (q <= end[b, k])
+
+        return create_block_mask(ancestor, R, None, L, L, device=end.device)
+    k = torch.arange(L, device=end.device)
+    return ((k[None, :] <= k[:, None]) & (k[:, None] <= end[:, None, :]))[:, None]
+
+
+def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """One micro-batch: its packed rows, padded to the longest (a pad sees itself only), and per sample in them the
+    loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the flat row
+    position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
+    L = max(len(row["ids"]) for row in rows)
+    members = [(r, samples[i], path) for r, row in enumerate(rows) for i, path in row["members"]]
+    T = max(len(s.input_ids) for _, s, _ in members)
+    end = np.tile(np.arange(L), (len(rows), 1))
+    src, tgt, pick = [], [], []
+    for b, (r, s, path) in enumerate(members):
+        end[r, path] = path[-1]  # depth first: the last sample through a token ends its subtree
+        t = np.flatnonzero(np.array(s.weights or s.loss_mask)[1:]) + 1  # trained tokens (position 0 never is)
+        src.append(r * L + path[t - 1])
+        tgt.append(np.array(s.input_ids)[t])
+        pick.append(b * T + t)
+
+    def pad(lists, fill, n, dtype=torch.float32):
+        return torch.tensor([list(x) + [fill] * (n - len(x)) for x in lists], dtype=dtype, device=device)
+
+    def flat(arrays):
+        return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
+
+    ss = [s for _, s, _ in members]
+    return {
+        "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
+        "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
+        "attn": attention_mask(torch.tensor(end, device=device), flex=device.type == "cuda"),
+        "src": flat(src),
+        "tgt": flat(tgt),
+        "pick": flat(pick),
+        "mask": pad([s.weights or s.loss_mask for s in ss], 0.0, T),  # a trained token's weight, 0 elsewhere
+        "sampler_logp": pad([s.sampler_logprobs for s in ss], 0.0, T),
+        "adv": pad([s.advantages for s in ss], 0.0, T),
+        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in ss], device=device),
+    }
+
+
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
-    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
-    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
+    """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
+    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
+    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that
+    (with SDPA, at most ROW_SPAN times the longest sample).
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
-    groups = make_microbatches(samples, cfg)
-    padded = sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
-    real, padded = all_reduce(sum(len(s.input_ids) for s in samples), padded)
+    longest = max((len(s.input_ids) for s in samples), default=1)
+    budget = max(cfg.max_tokens_per_microbatch or cfg.micro_batch_size * longest, longest)
+    capacity = budget
+    if device.type != "cuda":  # SDPA's dense mask costs a row the square of its length (FlexAttention skips blocks)
+        capacity = min(budget, ROW_SPAN * longest)
+    rows = pack_rows(samples, capacity)
+    groups = make_microbatches(rows, budget)
     n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
-    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
+    empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64))]}]
+    mbs = [collate(g, samples + [filler], pad_id, device) for g in groups + [empty] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
             if cfg.num_iterations > 1:
-                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+                mb["old"] = packed_logprobs(model, mb, cfg.temperature)
             if cfg.beta > 0:  # with LoRA the reference is the policy itself with its adapters off
                 with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
-                    mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
-    return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
+                    mb["ref"] = packed_logprobs(ref_model, mb, cfg.temperature)
+    held = sum(len(row["ids"]) for row in rows)
+    processed = sum(len(g) * max(len(row["ids"]) for row in g) for g in groups)
+    held, processed, tokens = all_reduce(held, processed, sum(len(s.input_ids) for s in samples))
+    return mbs, {
+        "train/processed_tokens": processed,  # what the forward passes read, row padding included
+        "train/shared_prefix_tokens_saved": tokens - held,  # tokens of the samples that a shared prefix held once
+        "train/row_fill": held / max(processed, 1),  # the packed rows' fill (1 - their padding)
+        "train/micro_batches": n_mb,
+    }
 
 
 def lr_lambda(cfg: Config):
