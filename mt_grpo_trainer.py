@@ -1509,7 +1509,7 @@ def load_models(cfg: Config, src: str, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = pretrained(AutoTokenizer, src)
-    kw = {"dtype": torch.float32, "attn_implementation": "flex_attention" if device.type == "cuda" else "sdpa"}
+    kw = {"dtype": torch.float32, "attn_implementation": packed_attention(device)}
     base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)
     check_packable(base.config, cfg.model_name_or_path)
     model = add_lora(base, cfg, src).to(device)
@@ -1526,6 +1526,19 @@ def load_models(cfg: Config, src: str, device: torch.device):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+def packed_attention(device: torch.device) -> str:
+    """The attention that packed rows need: FlexAttention on a GPU, elsewhere `trie_attention` (registered here),
+    which is SDPA for every call but the packed train step's."""
+    if device.type == "cuda":
+        return "flex_attention"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("mtgrpo_trie", trie_attention)
+    AttentionMaskInterface.register("mtgrpo_trie", sdpa_mask)
+    return "mtgrpo_trie"
 
 
 def check_packable(config, path: str):
@@ -2367,7 +2380,6 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-ROW_SPAN = 4  # SDPA (the CPU): a packed row holds at most this many longest samples' worth of tokens
 PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
 
 
@@ -2376,7 +2388,8 @@ def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
     depth first: samples sorted by token ids, each adds only its tokens after its common prefix with the one before
     it in the row, so a prefix that samples share (a group's prompt, a branch's context) appears once. Merging is by
     exact token ids: a shared token has the same ancestors in every sample, so it computes the same. A row's
-    `members` are (sample index, the row position of each of its tokens); `pos` is each token's depth on its path."""
+    `members` are (sample index, the row position of each of its tokens, how many were in the row before it);
+    `pos` is each token's depth on its path."""
     rows: list[dict] = []
     held: list[int] = []  # the token ids of the open row's last sample
     for i in sorted(range(len(samples)), key=lambda i: samples[i].input_ids):
@@ -2388,7 +2401,7 @@ def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
         row = rows[-1]
         start = len(row["ids"])
         prefix = row["members"][-1][1][:shared] if shared else np.zeros(0, dtype=np.int64)
-        row["members"].append((i, np.concatenate([prefix, np.arange(start, start + len(ids) - shared)])))
+        row["members"].append((i, np.concatenate([prefix, np.arange(start, start + len(ids) - shared)]), shared))
         row["ids"] += ids[shared:]
         row["pos"] += range(shared, len(ids))
         held = ids
@@ -2406,20 +2419,40 @@ def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
     return mbs
 
 
-def attention_mask(end: torch.Tensor, flex: bool):
+def attention_mask(end: torch.Tensor, segments: list[tuple]):
     """Which keys each query sees in depth-first trie rows: key k's subtree is the span k..end[k], so query q sees k
-    iff k <= q <= end[k], its ancestors and itself. [R, 1, L, L] booleans for SDPA, or FlexAttention's block mask
-    (which skips the blocks that see nothing)."""
+    iff k <= q <= end[k], its ancestors and itself. On a GPU, FlexAttention's block mask of that (it skips the blocks
+    that see nothing); elsewhere `trie_attention` runs each sample's span against its path (`segments`), and the mask
+    is a placeholder of the 4D shape that transformers passes through to it as given."""
     R, L = end.shape
-    if flex:
+    if end.device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
         def ancestor(b, h, q, k):
             return (k <= q) & (q <= end[b, k])
 
         return create_block_mask(ancestor, R, None, L, L, device=end.device)
-    k = torch.arange(L, device=end.device)
-    return ((k[None, :] <= k[:, None]) & (k[:, None] <= end[:, None, :]))[:, None]
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=end.device).expand(R, 1, L, L)
+    mask.trie_segments = segments
+    return mask
+
+
+def trie_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row) attend to
+    the keys of its path, with a causal mask aligned to the path's end, so a token sees exactly its ancestors and no
+    pair that a dense [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = getattr(attention_mask, "trie_segments", None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
+    for r, start, stop, keys in segments:
+        q, k, v = query[r : r + 1, :, start:stop], key[r : r + 1, :, keys], value[r : r + 1, :, keys]
+        seen = torch.ones(stop - start, len(keys), dtype=torch.bool, device=q.device).tril(len(keys) - stop + start)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
+        out[r : r + 1, :, start:stop] = o
+    return out.transpose(1, 2).contiguous(), None
 
 
 def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -2427,12 +2460,14 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
     loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the flat row
     position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
     L = max(len(row["ids"]) for row in rows)
-    members = [(r, samples[i], path) for r, row in enumerate(rows) for i, path in row["members"]]
-    T = max(len(s.input_ids) for _, s, _ in members)
+    members = [(r, samples[i], path, held) for r, row in enumerate(rows) for i, path, held in row["members"]]
+    T = max(len(s.input_ids) for _, s, _, _ in members)
     end = np.tile(np.arange(L), (len(rows), 1))
-    src, tgt, pick = [], [], []
-    for b, (r, s, path) in enumerate(members):
+    src, tgt, pick, segments = [], [], [], []
+    for b, (r, s, path, held) in enumerate(members):
         end[r, path] = path[-1]  # depth first: the last sample through a token ends its subtree
+        if held < len(path):  # its own tokens, a span of the row, see its path up to themselves
+            segments.append((r, int(path[held]), int(path[-1]) + 1, torch.tensor(path, device=device)))
         t = np.flatnonzero(np.array(s.weights or s.loss_mask)[1:]) + 1  # trained tokens (position 0 never is)
         src.append(r * L + path[t - 1])
         tgt.append(np.array(s.input_ids)[t])
@@ -2444,11 +2479,11 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
     def flat(arrays):
         return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
 
-    ss = [s for _, s, _ in members]
+    ss = [s for _, s, _, _ in members]
     return {
         "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
         "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
-        "attn": attention_mask(torch.tensor(end, device=device), flex=device.type == "cuda"),
+        "attn": attention_mask(torch.tensor(end, device=device), segments),
         "src": flat(src),
         "tgt": flat(tgt),
         "pick": flat(pick),
@@ -2462,19 +2497,15 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
     """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
     in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
-    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that
-    (with SDPA, at most ROW_SPAN times the longest sample).
+    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that.
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
     longest = max((len(s.input_ids) for s in samples), default=1)
     budget = max(cfg.max_tokens_per_microbatch or cfg.micro_batch_size * longest, longest)
-    capacity = budget
-    if device.type != "cuda":  # SDPA's dense mask costs a row the square of its length (FlexAttention skips blocks)
-        capacity = min(budget, ROW_SPAN * longest)
-    rows = pack_rows(samples, capacity)
+    rows = pack_rows(samples, budget)
     groups = make_microbatches(rows, budget)
     n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
-    empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64))]}]
+    empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64), 0)]}]
     mbs = [collate(g, samples + [filler], pad_id, device) for g in groups + [empty] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:

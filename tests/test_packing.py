@@ -35,7 +35,7 @@ def small_qwen3(vocab: int, seed: int = 0):
         num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=True,
-        attn_implementation="sdpa",
+        attn_implementation=M.packed_attention(CPU),
     )
     return Qwen3ForCausalLM(config)
 
@@ -116,7 +116,7 @@ def packed(model, samples, autocast=False):
     mb = M.collate(rows, samples, 0, CPU)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         lp = M.packed_logprobs(model, mb, 0.7)
-    order = [i for row in rows for i, _ in row["members"]]
+    order = [i for row in rows for i, _, _ in row["members"]]
     return [lp[order.index(i), : len(s.input_ids)] for i, s in enumerate(samples)]
 
 
@@ -181,17 +181,18 @@ def test_a_trie_holds_each_shared_prefix_once_and_a_token_sees_exactly_its_ances
     samples = [M.Sample(ids, [1] * len(ids), [0.0] * len(ids), [0] * len(ids), [0.0] * len(ids)) for ids in seqs]
     [row] = M.pack_rows(samples, 100)
     prefixes = {}
-    for i, path in row["members"]:
+    for i, path, _ in row["members"]:
         assert [row["ids"][p] for p in path] == seqs[i], "a member's path spells its token ids"
         assert [row["pos"][p] for p in path] == list(range(len(seqs[i]))), "positions restart at 0 per sample"
         for d, p in enumerate(path):
             assert prefixes.setdefault(p, tuple(seqs[i][: d + 1])) == tuple(seqs[i][: d + 1])
     assert len(row["ids"]) == len({tuple(s[: d + 1]) for s in seqs for d in range(len(s))}), "each prefix once"
-    mb = M.collate([row], samples, 0, CPU)
-    attn = mb["attn"][0, 0]
-    for q, prefix in prefixes.items():
-        seen = {k for k, other in prefixes.items() if prefix[: len(other)] == other}
-        assert set(torch.nonzero(attn[q]).flatten().tolist()) == seen, f"row position {q}"
+    segments = M.collate([row], samples, 0, CPU)["attn"].trie_segments
+    assert sum(stop - start for _, start, stop, _ in segments) == len(row["ids"]), "each token computed once"
+    for _, start, stop, keys in segments:  # query q, the j-th of its span, sees the keys of its path up to itself
+        for j, q in enumerate(range(start, stop)):
+            seen = set(keys[: len(keys) - (stop - start) + j + 1].tolist())
+            assert seen == {k for k, other in prefixes.items() if prefixes[q][: len(other)] == other}, f"token {q}"
 
 
 def test_merging_is_by_token_ids_and_rows_keep_to_their_capacity():
@@ -208,7 +209,7 @@ def one_per_microbatch(monkeypatch):
 
     def alone_rows(samples, capacity):
         return [
-            {"ids": s.input_ids, "pos": list(range(len(s.input_ids))), "members": [(i, np.arange(len(s.input_ids)))]}
+            {"ids": s.input_ids, "pos": list(range(len(s.input_ids))), "members": [(i, np.arange(len(s.input_ids)), 0)]}
             for i, s in enumerate(samples)
         ]
 
