@@ -46,7 +46,8 @@ or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` docu
 
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
-- sequence packing: micro-batches are padded (and bucketed by length), which keeps the loss code obvious;
+- a padded path: training packs samples into rows, each a prefix trie (a group's prompt and a branch's context are
+  computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still reads one row per sample;
 - Ray: one process per GPU. By default rollout and update take turns, so `breakpoint()` works and the policy is
   exactly on-policy; max_staleness >= 1 overlaps them with one producer thread per rank (see RolloutProducer);
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
@@ -207,9 +208,9 @@ class Config:
     max_steps: Annotated[int, ">= 1"] = 100
     """Training steps (one rollout batch each)."""
     micro_batch_size: Annotated[int, ">= 1"] = 16
-    """Samples per forward/backward pass; gradients accumulate over the batch."""
+    """Without a token budget, a micro-batch holds this many times the longest sample's tokens; gradients accumulate over the batch."""
     max_tokens_per_microbatch: Annotated[int, ">= 0"] = 0
-    """Token budget of a micro-batch (samples x longest, padding included), filled longest-first so padding stays small (0 = `micro_batch_size` samples per micro-batch)."""
+    """Token budget of a forward/backward pass: packed rows (samples back to back, shared prefixes once) x the longest row (0 = `micro_batch_size` x the longest sample)."""
     mixed_precision: Annotated[str, ("auto", "bf16", "no")] = "auto"
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
