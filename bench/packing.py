@@ -21,12 +21,15 @@ baseline is the trainer's micro-batching before issue 36 (collate, make_microbat
 prepare_microbatches, token_logprobs over [B, T] padded rows), kept in this file only. Time: the median of --repeats
 steps of each, alternating, after a warm-up step of each. Peak memory: the most tensor memory live at once during a
 step (bench/logprob_memory.py's cpu_peak_mb, from the profiler's allocation events; torch.cuda.max_memory_allocated on
-a GPU). Both paths' loss/policy are printed: they must agree to float rounding.
+a GPU). Both paths' loss/policy are printed: they must agree to float rounding. "distinct (trie)" counts the tokens
+the packed rows hold, each distinct prefix once: processed/trained can go no lower than distinct/trained, since
+prompt and tool-result tokens are read but never trained (and below 1 where episodes repeat each other exactly).
 """
 
 import argparse
 import contextlib
 import dataclasses
+import io
 import os
 import random
 import statistics
@@ -175,6 +178,7 @@ def measure(run, samples, cfg, repeats: int) -> dict:
         with path():
             m = step(run, samples, cfg)  # warm-up
             out[name]["processed"] = m["train/processed_tokens"]
+            out[name]["held"] = out[name]["processed"] * m.get("train/row_fill", 1.0)
             out[name]["loss"] = m["loss/policy"]
             out[name]["peak_mb"] = peak_mb(lambda: step(run, samples, cfg))
     for _ in range(repeats):
@@ -190,6 +194,12 @@ def measure(run, samples, cfg, repeats: int) -> dict:
     return out
 
 
+def close(run):
+    """The run's sampler and folder lock go; its summary of a history it never had is not printed."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        run.close([])
+
+
 def cases(which: list[str]):
     """(case, run, samples, cfg) for each case asked for; the toy's run serves the last two."""
     toy_run, toy_samples = rollout(TOY, "toy", [])
@@ -201,11 +211,11 @@ def cases(which: list[str]):
         yield "prompt", toy_run, long_prompt(toy_samples, vocab), budget
     if "turns" in which:
         yield "turns", toy_run, long_episodes(vocab), budget
-    toy_run.close([])
+    close(toy_run)
     if "tree" in which:
         tree_run, tree_samples = rollout(CHAIN, "tree", METHODS["tree"][1])
         yield "tree", tree_run, tree_samples, tree_run.cfg
-        tree_run.close([])
+        close(tree_run)
 
 
 def main():
@@ -221,14 +231,15 @@ def main():
         results[case] = measure(run, samples, cfg, args.repeats)
     print(f"\n{device}; median of {args.repeats} train steps each, alternating\n")
     print(
-        "| case | samples' tokens | trained | processed packed | processed padded | step packed (s) |"
+        "| case | samples' tokens | trained | distinct (trie) | processed packed | processed padded | step packed (s) |"
         " step padded (s) | peak packed (MB) | peak padded (MB) | loss/policy packed - padded |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case, r in results.items():
         pk, pd = r["packed"], r["padded"]
         print(
-            f"| {NAMES[case]} | {r['tokens']} | {r['trained']} | {pk['processed']:.0f} | {pd['processed']:.0f} | "
+            f"| {NAMES[case]} | {r['tokens']} | {r['trained']} | {pk['held']:.0f} | "
+            f"{pk['processed']:.0f} | {pd['processed']:.0f} | "
             f"{pk['time']:.3f} | {pd['time']:.3f} | {pk['peak_mb']:.1f} | {pd['peak_mb']:.1f} | "
             f"{pk['loss'] - pd['loss']:.1e} |"
         )
