@@ -2449,22 +2449,27 @@ def trie_attention(module, query, key, value, attention_mask, dropout: float = 0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
     for r, start, stop, keys in segments:
-        q, k, v = query[r : r + 1, :, start:stop], key[r : r + 1, :, keys], value[r : r + 1, :, keys]
+        q = query[r : r + 1, :, start:stop]
         seen = torch.ones(stop - start, len(keys), dtype=torch.bool, device=q.device).tril(len(keys) - stop + start)
+        k = key[r : r + 1, :, keys]
+        v = value[r : r + 1, :, keys]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
         out[r : r + 1, :, start:stop] = o
     return out.transpose(1, 2).contiguous(), None
 
 
 def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """One micro-batch: its packed rows, padded to the longest (a pad sees itself only), and per sample in them the
-    loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the flat row
-    position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
+    """One micro-batch: its packed rows, padded to the longest (no sample's token sees a pad), and per sample in
+    them the loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the
+    flat row position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
     L = max(len(row["ids"]) for row in rows)
     members = [(r, samples[i], path, held) for r, row in enumerate(rows) for i, path, held in row["members"]]
     T = max(len(s.input_ids) for _, s, _, _ in members)
     end = np.tile(np.arange(L), (len(rows), 1))
-    src, tgt, pick, segments = [], [], [], []
+    src = []  # per sample: the flat row positions its trained tokens' logits come from
+    tgt = []  # its trained tokens
+    pick = []  # their flat [B, T] positions
+    segments = []  # (row, start, stop, path): a span of the row and the keys it sees
     for b, (r, s, path, held) in enumerate(members):
         end[r, path] = path[-1]  # depth first: the last sample through a token ends its subtree
         if held < len(path):  # its own tokens, a span of the row, see its path up to themselves
@@ -2480,7 +2485,7 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
     def flat(arrays):
         return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
 
-    ss = [s for _, s, _, _ in members]
+    in_batch = [s for _, s, _, _ in members]
     return {
         "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
         "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
@@ -2488,10 +2493,10 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
         "src": flat(src),
         "tgt": flat(tgt),
         "pick": flat(pick),
-        "mask": pad([s.weights or s.loss_mask for s in ss], 0.0, T),  # a trained token's weight, 0 elsewhere
-        "sampler_logp": pad([s.sampler_logprobs for s in ss], 0.0, T),
-        "adv": pad([s.advantages for s in ss], 0.0, T),
-        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in ss], device=device),
+        "mask": pad([s.weights or s.loss_mask for s in in_batch], 0.0, T),  # a trained token's weight, 0 elsewhere
+        "sampler_logp": pad([s.sampler_logprobs for s in in_batch], 0.0, T),
+        "adv": pad([s.advantages for s in in_batch], 0.0, T),
+        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in in_batch], device=device),
     }
 
 
