@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 import mt_grpo_trainer as M  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # bench/logprob_memory.py imports its baseline from the tests
 from logprob_memory import direct_logprobs, loss_step  # noqa: E402   direct_logprobs: the baseline
 from packing import padded, padded_collate  # noqa: E402   the padded micro-batches packing replaced
 
