@@ -46,7 +46,8 @@ or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` docu
 
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
-- sequence packing: micro-batches are padded (and bucketed by length), which keeps the loss code obvious;
+- a padded path: training packs samples into rows, each a prefix trie (a group's prompt and a branch's context are
+  computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still reads one row per sample;
 - Ray: one process per GPU. By default rollout and update take turns, so `breakpoint()` works and the policy is
   exactly on-policy; max_staleness >= 1 overlaps them with one producer thread per rank (see RolloutProducer);
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
@@ -209,9 +210,9 @@ class Config:
     max_steps: Annotated[int, ">= 1"] = 100
     """Training steps (one rollout batch each)."""
     micro_batch_size: Annotated[int, ">= 1"] = 16
-    """Samples per forward/backward pass; gradients accumulate over the batch."""
+    """Without a token budget, a micro-batch holds this many times the longest sample's tokens; gradients accumulate over the batch."""
     max_tokens_per_microbatch: Annotated[int, ">= 0"] = 0
-    """Token budget of a micro-batch (samples x longest, padding included), filled longest-first so padding stays small (0 = `micro_batch_size` samples per micro-batch)."""
+    """Token budget of a forward/backward pass: packed rows (samples back to back, shared prefixes once) x the longest row (0 = `micro_batch_size` x the longest sample)."""
     mixed_precision: Annotated[str, ("auto", "bf16", "no")] = "auto"
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
@@ -945,22 +946,39 @@ class MultiTurnToolEnv:
 
 # === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
 
-LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in token_logprobs (64 MB)
+LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
 
 
-def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position; position 0 gets 0. With a large vocabulary a
-    [B, T, vocab] float32 log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at
-    a time and is recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    logits, t = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1), temperature if temperature > 0 else 1.0
+def chunk_logprobs(logits, targets, temperature: float):
+    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
+    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
+    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
+    t = temperature if temperature > 0 else 1.0
 
     def chunk(x, y):
         return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    targets = ids.roll(-1, 1).flatten().split(n)  # next tokens; a row's last gets a dummy (its first), dropped below
-    lp = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in zip(logits.split(n), targets)]
-    return torch.nn.functional.pad(torch.cat(lp).view_as(ids)[:, :-1], (1, 0))
+    pairs = zip(logits.split(n), targets.split(n))
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs])
+
+
+def token_logprobs(model, ids, attn, temperature: float):
+    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0."""
+    logits = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1)
+    targets = ids.roll(-1, 1).flatten()  # next tokens; a row's last gets a dummy (its first), dropped below
+    lp = chunk_logprobs(logits, targets, temperature)
+    return torch.nn.functional.pad(lp.view_as(ids)[:, :-1], (1, 0))
+
+
+def packed_logprobs(model, mb: dict, temperature: float):
+    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
+    rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
+    sharing that prefix share, and its own sample's next token as the target."""
+    logits = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"]).logits.flatten(0, 1)
+    lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
+    flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
+    return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
 
 
 def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
@@ -983,7 +1001,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
         for j, mb in enumerate(mbs):
             with gradient_sync(model, j == len(mbs) - 1):  # reduce over ranks once, after the last micro-batch
                 with autocast(cfg, device):
-                    logp = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+                    logp = packed_logprobs(model, mb, cfg.temperature)
                 args = (mb["sampler_logp"], mb["adv"], mb["mask"], cfg, num_tokens, num_seqs, mb["seq_tokens"])
                 loss, token_sums = grpo_loss(logp, mb.get("old", logp.detach()), *args, ref_logp=mb.get("ref"))
                 (loss * world).backward()
@@ -1599,13 +1617,15 @@ def load_models(cfg: Config, src: str, device: torch.device):
 
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar per load, no "Writing model shards" per save
     tokenizer = pretrained(AutoTokenizer, src)
-    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, dtype=torch.float32)
+    kw = {"dtype": torch.float32, "attn_implementation": packed_attention(device)}
+    base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)
+    check_packable(base.config, cfg.model_name_or_path)
     model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
     ref_model = model if cfg.lora_rank else None  # with LoRA: the policy itself, its adapters off
     if cfg.beta > 0 and not cfg.lora_rank:
-        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model = pretrained(AutoModelForCausalLM, cfg.model_name_or_path, **kw).to(device).eval()
         ref_model.requires_grad_(False)
     policy = wrap_model(model, cfg, device)  # what the loss runs through; `model` stays the HF (or peft) module
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -1614,6 +1634,30 @@ def load_models(cfg: Config, src: str, device: torch.device):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     return tokenizer, model, ref_model, policy, optimizer, scheduler
+
+
+def packed_attention(device: torch.device) -> str:
+    """The attention that packed rows need: FlexAttention on a GPU, elsewhere `trie_attention` (registered here),
+    which is SDPA for every call but the packed train step's."""
+    if device.type == "cuda":
+        return "flex_attention"
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("mtgrpo_trie", trie_attention)
+    AttentionMaskInterface.register("mtgrpo_trie", sdpa_mask)
+    return "mtgrpo_trie"
+
+
+def check_packable(config, path: str):
+    """Training packs samples into rows with a custom 4D mask and position ids (`pack_rows`), which only some
+    decoders take as given: one with a sliding window would drop its window, another its own mask."""
+    if config.model_type not in PACKED_MODEL_TYPES or getattr(config, "use_sliding_window", False):
+        window = " with a sliding window" if getattr(config, "use_sliding_window", False) else ""
+        raise ConfigError(
+            f"model_name_or_path '{path}' is a {config.model_type} model{window}, which packed training does not "
+            f"support; use a model of type {', '.join(PACKED_MODEL_TYPES)} (no sliding window)"
+        )
 
 
 def pretrained(cls, path: str, **kw):
@@ -2473,53 +2517,154 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-def collate(samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    T = max(len(s.input_ids) for s in samples)
-
-    def pad(rows, fill, dtype=torch.float32):
-        return torch.tensor([r + [fill] * (T - len(r)) for r in rows], dtype=dtype, device=device)
-
-    return {
-        "ids": pad([s.input_ids for s in samples], pad_id, torch.long),
-        "attn": pad([[1] * len(s.input_ids) for s in samples], 0, torch.long),
-        "mask": pad([s.weights or s.loss_mask for s in samples], 0.0),  # a trained token's weight, 0 elsewhere
-        "sampler_logp": pad([s.sampler_logprobs for s in samples], 0.0),
-        "adv": pad([s.advantages for s in samples], 0.0),
-        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
-    }
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
 
 
-def make_microbatches(samples: list[Sample], cfg: Config) -> list[list[Sample]]:
-    """With a token budget, longest first (similar lengths, little padding); else `micro_batch_size` at a time."""
-    if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    mbs: list[list[Sample]] = []
-    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
-        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
-            mbs[-1].append(s)
+def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
+    """Packed rows of at most `capacity` tokens (a longer sample gets a row of its own), each a prefix trie laid out
+    depth first: samples sorted by token ids, each adds only its tokens after its common prefix with the one before
+    it in the row, so a prefix that samples share (a group's prompt, a branch's context) appears once. Merging is by
+    exact token ids: a shared token has the same ancestors in every sample, so it computes the same. A row's
+    `members` are (sample index, the row position of each of its tokens, how many were in the row before it);
+    `pos` is each token's depth on its path."""
+    rows: list[dict] = []
+    held: list[int] = []  # the token ids of the open row's last sample
+    for i in sorted(range(len(samples)), key=lambda i: samples[i].input_ids):
+        ids = samples[i].input_ids
+        shared = len(os.path.commonprefix([held, ids]))
+        if not rows or len(rows[-1]["ids"]) + len(ids) - shared > capacity:
+            rows.append({"ids": [], "pos": [], "members": []})
+            shared = 0
+        row = rows[-1]
+        start = len(row["ids"])
+        prefix = row["members"][-1][1][:shared] if shared else np.zeros(0, dtype=np.int64)
+        row["members"].append((i, np.concatenate([prefix, np.arange(start, start + len(ids) - shared)]), shared))
+        row["ids"] += ids[shared:]
+        row["pos"] += range(shared, len(ids))
+        held = ids
+    return rows
+
+
+def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
+    """Rows longest first, as many to a micro-batch as fit `budget` tokens (rows x the longest); a longer row alone."""
+    mbs: list[list[dict]] = []
+    for row in sorted(rows, key=lambda row: -len(row["ids"])):
+        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0]["ids"]) <= budget:
+            mbs[-1].append(row)
         else:
-            mbs.append([s])
+            mbs.append([row])
     return mbs
 
 
+def attention_mask(end: torch.Tensor, segments: list[tuple]):
+    """Which keys each query sees in depth-first trie rows: key k's subtree is the span k..end[k], so query q sees k
+    iff k <= q <= end[k], its ancestors and itself. On a GPU, FlexAttention's block mask of that (it skips the blocks
+    that see nothing); elsewhere `trie_attention` runs each sample's span against its path (`segments`), and the mask
+    is a placeholder of the 4D shape that transformers passes through to it as given."""
+    R, L = end.shape
+    if end.device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def ancestor(b, h, q, k):
+            return (k <= q) & (q <= end[b, k])
+
+        return create_block_mask(ancestor, R, None, L, L, device=end.device)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=end.device).expand(R, 1, L, L)
+    mask.trie_segments = segments
+    return mask
+
+
+def trie_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row) attend to
+    the keys of its path, with a causal mask aligned to the path's end, so a token sees exactly its ancestors and no
+    pair that a dense [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    segments = getattr(attention_mask, "trie_segments", None)
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
+    for r, start, stop, keys in segments:
+        q = query[r : r + 1, :, start:stop]
+        seen = torch.ones(stop - start, len(keys), dtype=torch.bool, device=q.device).tril(len(keys) - stop + start)
+        k = key[r : r + 1, :, keys]
+        v = value[r : r + 1, :, keys]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
+        out[r : r + 1, :, start:stop] = o
+    return out.transpose(1, 2).contiguous(), None
+
+
+def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """One micro-batch: its packed rows, padded to the longest (no sample's token sees a pad), and per sample in
+    them the loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the
+    flat row position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
+    L = max(len(row["ids"]) for row in rows)
+    members = [(r, samples[i], path, held) for r, row in enumerate(rows) for i, path, held in row["members"]]
+    T = max(len(s.input_ids) for _, s, _, _ in members)
+    end = np.tile(np.arange(L), (len(rows), 1))
+    src = []  # per sample: the flat row positions its trained tokens' logits come from
+    tgt = []  # its trained tokens
+    pick = []  # their flat [B, T] positions
+    segments = []  # (row, start, stop, path): a span of the row and the keys it sees
+    for b, (r, s, path, held) in enumerate(members):
+        end[r, path] = path[-1]  # depth first: the last sample through a token ends its subtree
+        if held < len(path):  # its own tokens, a span of the row, see its path up to themselves
+            segments.append((r, int(path[held]), int(path[-1]) + 1, torch.tensor(path, device=device)))
+        t = np.flatnonzero(np.array(s.weights or s.loss_mask)[1:]) + 1  # trained tokens (position 0 never is)
+        src.append(r * L + path[t - 1])
+        tgt.append(np.array(s.input_ids)[t])
+        pick.append(b * T + t)
+
+    def pad(lists, fill, n, dtype=torch.float32):
+        return torch.tensor([list(x) + [fill] * (n - len(x)) for x in lists], dtype=dtype, device=device)
+
+    def flat(arrays):
+        return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
+
+    in_batch = [s for _, s, _, _ in members]
+    return {
+        "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
+        "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
+        "attn": attention_mask(torch.tensor(end, device=device), segments),
+        "src": flat(src),
+        "tgt": flat(tgt),
+        "pick": flat(pick),
+        "mask": pad([s.weights or s.loss_mask for s in in_batch], 0.0, T),  # a trained token's weight, 0 elsewhere
+        "sampler_logp": pad([s.sampler_logprobs for s in in_batch], 0.0, T),
+        "adv": pad([s.advantages for s in in_batch], 0.0, T),
+        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in in_batch], device=device),
+    }
+
+
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
-    """Collated micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
-    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio).
+    """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
+    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
+    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that.
     Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
-    groups = make_microbatches(samples, cfg)
-    padded = sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
-    real, padded = all_reduce(sum(len(s.input_ids) for s in samples), padded)
+    longest = max((len(s.input_ids) for s in samples), default=1)
+    budget = max(cfg.max_tokens_per_microbatch or cfg.micro_batch_size * longest, longest)
+    rows = pack_rows(samples, budget)
+    groups = make_microbatches(rows, budget)
     n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
-    mbs = [collate(g, pad_id, device) for g in groups + [[filler]] * (n_mb - len(groups))]
+    empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64), 0)]}]
+    mbs = [collate(g, samples + [filler], pad_id, device) for g in groups + [empty] * (n_mb - len(groups))]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
             if cfg.num_iterations > 1:
-                mb["old"] = token_logprobs(model, mb["ids"], mb["attn"], cfg.temperature)
+                mb["old"] = packed_logprobs(model, mb, cfg.temperature)
             if cfg.beta > 0:  # with LoRA the reference is the policy itself with its adapters off
                 with ref_model.disable_adapter() if cfg.lora_rank else contextlib.nullcontext():
-                    mb["ref"] = token_logprobs(ref_model, mb["ids"], mb["attn"], cfg.temperature)
-    return mbs, {"train/padding_frac": 1 - real / padded, "train/micro_batches": n_mb}
+                    mb["ref"] = packed_logprobs(ref_model, mb, cfg.temperature)
+    held = sum(len(row["ids"]) for row in rows)
+    processed = sum(len(g) * max(len(row["ids"]) for row in g) for g in groups)
+    held, processed, tokens = all_reduce(held, processed, sum(len(s.input_ids) for s in samples))
+    return mbs, {
+        "train/processed_tokens": processed,  # what the forward passes read, row padding included
+        "train/shared_prefix_tokens_saved": tokens - held,  # tokens of the samples that a shared prefix held once
+        "train/row_fill": held / max(processed, 1),  # the packed rows' fill (1 - their padding)
+        "train/micro_batches": n_mb,
+    }
 
 
 def lr_lambda(cfg: Config):

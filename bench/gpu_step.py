@@ -2,20 +2,27 @@
 each with bf16 autocast, gradient checkpointing and FSDP2 on one rank; and token_logprobs' float32 chunks against the
 direct [B, T, vocab] log-softmax: peak memory, time and the largest difference between them.
 
-    python bench/gpu_step.py [--tokenizer DIR] [--layers 28] [--seq 2048] [--samples 16] [--mb-tokens 16384]
-        [--cases full lora logprobs] (also full,no-gc and lora,no-gc: without gradient checkpointing)
+    python bench/gpu_step.py [--tokenizer DIR] [--layers 28] [--seq 2048] [--samples 16] [--group 1]
+        [--mb-tokens 16384] [--cases full lora logprobs] (also full,no-gc and lora,no-gc: without gradient
+        checkpointing; and full,padded, lora,padded: the padded micro-batches packing replaced, bench/packing.py's)
+
+Packed against padded on the Qwen3-1.7B shape: `--cases full full,padded --group 8` (a group of 8 shares its prompt).
+A tiny smoke check on a CPU: `--layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1 --cases full full,padded`.
 
 The model is random-initialised with Qwen3-1.7B's config (hidden 2048, 16 heads, 8 KV heads, intermediate 6144,
 vocabulary 151936, tied embeddings), saved as a local model folder (bf16 safetensors and the tokenizer) and loaded by
 the trainer's load_models, as a run loads model_name_or_path. Each case runs in a fresh process. A step is
-train_on_samples on --samples random sequences of --seq tokens (the first half prompt, the second trained, advantages
-+-1), beta 0, one iteration, micro-batches of --mb-tokens. MFU counts model FLOPs per token, the recomputation of
+train_on_samples on --samples random sequences of --seq tokens (the first half prompt, the same in each --group
+consecutive samples; the second half trained, advantages +-1), beta 0, one iteration, micro-batches of --mb-tokens
+(packed; the `padded` cases as before packing). tokens/s counts the samples' tokens; MFU the tokens the step
+processed (packed: each shared prompt once). MFU counts model FLOPs per token, the recomputation of
 gradient checkpointing not included: 6N + 12*layers*hidden*seq for full fine-tuning, 4N + 8*layers*hidden*seq with
 LoRA (no weight gradients for the frozen base), N the parameters (the tied head counted once), over --peak-tflops
 (989, the H100's dense bf16). Peak memory is torch.cuda.max_memory_allocated over the timed steps.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -30,7 +37,9 @@ sys.path.insert(0, ROOT)
 import mt_grpo_trainer as M  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # bench/logprob_memory.py imports its baseline from the tests
 from logprob_memory import direct_logprobs, loss_step  # noqa: E402   direct_logprobs: the baseline
+from packing import padded, padded_collate  # noqa: E402   the padded micro-batches packing replaced
 
 QWEN3_1_7B = dict(
     hidden_size=2048,
@@ -67,6 +76,8 @@ def samples(args, seed=0):
     half, out = args.seq // 2, []
     for i in range(args.samples):
         ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (args.seq,), generator=g).tolist()
+        if i % args.group:  # the group's prompt
+            ids[:half] = out[-1].input_ids[:half]
         mask = [0] * half + [1] * (args.seq - half)
         adv = [m * (1.0 if i % 2 else -1.0) for m in mask]
         out.append(M.Sample(ids, mask, [-1.0 * m for m in mask], [0 if m else -1 for m in mask], adv))
@@ -82,8 +93,13 @@ def peak_gib():
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def train_case(args, lora: int, checkpointing: bool = True) -> dict:
+def train_case(args, lora: int, checkpointing: bool = True, padded_path: bool = False) -> dict:
     """Warm-up step (AdamW's state is made), then --steps timed ones."""
+    with padded() if padded_path else contextlib.nullcontext():
+        return timed_steps(args, lora, checkpointing, padded_path)
+
+
+def timed_steps(args, lora: int, checkpointing: bool, padded_path: bool) -> dict:
     cfg = M.load_config(
         None,
         [
@@ -113,11 +129,15 @@ def train_case(args, lora: int, checkpointing: bool = True) -> dict:
     tokens = args.samples * args.seq
     hidden = QWEN3_1_7B["hidden_size"]
     per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * hidden * args.seq
+    processed = m["train/processed_tokens"]
     return dict(
-        case=(f"lora r{lora}" if lora else "full") + ("" if checkpointing else ", no checkpointing"),
+        case=(f"lora r{lora}" if lora else "full")
+        + ("" if checkpointing else ", no checkpointing")
+        + (", padded" if padded_path else ", packed"),
         step_s=round(dt, 3),
         tokens_per_s=round(tokens / dt),
-        mfu=round(per_token * tokens / dt / (args.peak_tflops * 1e12), 3),
+        processed_tokens=processed,
+        mfu=round(per_token * processed / dt / (args.peak_tflops * 1e12), 3),
         peak_gib=round(peak_gib(), 2),
         micro_batches=m["train/micro_batches"],
         grad_norm=float(f"{m['loss/grad_norm']:.4g}"),
@@ -133,7 +153,7 @@ def logprob_case(args) -> dict:
     cfg = M.load_config(None, ["mixed_precision=bf16", f"output_dir={args.model}-out"])
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mb = M.collate(samples(args)[: max(1, args.mb_tokens // args.seq)], 0, device)
+    mb = padded_collate(samples(args)[: max(1, args.mb_tokens // args.seq)], 0, device)
     out, logps = {}, {}
     for name, fn in (("warm-up", M.token_logprobs), ("chunked", M.token_logprobs), ("direct", direct_logprobs)):
         model.zero_grad(set_to_none=True)
@@ -157,11 +177,12 @@ def main():
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--group", type=int, default=1, help="consecutive samples that share their prompt (first half)")
     p.add_argument("--mb-tokens", type=int, default=16384)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    cases = ["full", "lora", "full,no-gc", "lora,no-gc", "logprobs"]
+    cases = ["full", "lora", "full,no-gc", "lora,no-gc", "full,padded", "lora,padded", "logprobs"]
     p.add_argument("--cases", nargs="+", default=["full", "lora", "logprobs"], choices=cases)
     p.add_argument("--out", default="", help="also write the results here, as JSON")
     p.add_argument("--case", default="", help=argparse.SUPPRESS)  # the child process: one case
@@ -169,9 +190,12 @@ def main():
     p.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:  # one case, in its own process
-        kind, _, no_gc = args.case.partition(",")
+        kind, _, variant = args.case.partition(",")
         lora = args.lora_rank if kind == "lora" else 0
-        r = logprob_case(args) if kind == "logprobs" else train_case(args, lora, checkpointing=not no_gc)
+        if kind == "logprobs":
+            r = logprob_case(args)
+        else:
+            r = train_case(args, lora, checkpointing=variant != "no-gc", padded_path=variant == "padded")
         return print("RESULT " + json.dumps(r), flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,18 +13,19 @@ import mt_grpo_trainer as M  # noqa: E402
 
 
 def fixed_batch(vocab: int, n_groups: int = 4, group: int = 2) -> list[list[M.Episode]]:
-    """Groups of episodes with different lengths, masks and advantages (the same in every process). The first
-    episode (on rank 0) forked: it has two samples."""
+    """Groups of episodes with different lengths, masks and advantages (the same in every process). A group's
+    episodes share its prompt (packing holds it once). The first episode (on rank 0) forked: it has two samples."""
     rng = random.Random(0)
     groups = []
     for i in range(n_groups):
         g = []
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 20))]
         for j in range(group):
             ep, adv = M.Episode(row={}, messages=[], n_prompt_messages=0), rng.uniform(-1.5, 1.5)
             for _ in range(2 if i == j == 0 else 1):
                 s = M.Sample()
-                n_prompt, n_sampled = rng.randint(3, 20), rng.randint(2, 25)
-                s.append([rng.randrange(vocab) for _ in range(n_prompt)], mask=0)
+                n_sampled = rng.randint(2, 25)
+                s.append(prompt, mask=0)
                 s.append(
                     [rng.randrange(vocab) for _ in range(n_sampled)],
                     mask=1,

@@ -116,22 +116,12 @@ def test_two_ranks_give_the_update_of_one_with_kl_sequence_mean_and_clipping(tin
             assert one_m["loss/grad_norm"] > 0.02, "the gradient was never clipped"
 
 
-def test_token_budget_buckets_by_length_and_reports_padding():
-    cfg = M.load_config(None, ["max_tokens_per_microbatch=100"])
-    samples = []
-    for n in (5, 48, 7, 50, 6, 20, 22, 49):
-        s = M.Sample()
-        s.append(list(range(n)), mask=1, logprobs=[0.0] * n)
-        samples.append(s)
-    mbs = M.make_microbatches(samples, cfg)
-    assert sorted(len(s.input_ids) for mb in mbs for s in mb) == sorted(len(s.input_ids) for s in samples)
+def test_token_budget_fills_micro_batches_with_packed_rows_longest_first():
+    rows = [{"ids": [0] * n} for n in (5, 48, 7, 50, 6, 20, 22, 49)]
+    mbs = M.make_microbatches(rows, 100)
+    assert [[len(row["ids"]) for row in mb] for mb in mbs] == [[50, 49], [48, 22], [20, 7, 6, 5]]
     for mb in mbs:
-        assert len(mb) * max(len(s.input_ids) for s in mb) <= 100 or len(mb) == 1
-    assert [[len(s.input_ids) for s in mb] for mb in mbs] == [[50, 49], [48, 22], [20, 7, 6, 5]]
-    padded = sum(len(mb) * max(len(s.input_ids) for s in mb) for mb in mbs)
-    in_order = M.make_microbatches(samples, M.load_config(None, ["micro_batch_size=2"]))
-    padded_in_order = sum(len(mb) * max(len(s.input_ids) for s in mb) for mb in in_order)
-    assert padded < padded_in_order
+        assert len(mb) * max(len(row["ids"]) for row in mb) <= 100 or len(mb) == 1
 
 
 def _recipe_args(tiny_model_dir, run_dir, *extra):
@@ -161,7 +151,7 @@ def test_torchrun_trains_end_to_end_with_rank0_logging(tiny_model_dir, tmp_path)
     eps = [__import__("json").loads(x) for x in (run / "episodes.jsonl").read_text().splitlines()]
     assert sorted({e["episode"] for e in eps if e["step"] == 1}) == [0, 1, 2, 3], "both ranks' episodes are dumped"
     assert (run / "checkpoint-2" / "trainer_state.pt").is_file()
-    assert "train/padding_frac" in lines[-1]
+    assert "train/row_fill" in lines[-1] and "train/shared_prefix_tokens_saved" in lines[-1]
 
 
 def test_an_exception_on_one_rank_ends_every_rank(tiny_model_dir, tmp_path):

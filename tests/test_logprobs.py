@@ -22,6 +22,12 @@ def direct_logprobs(model, ids, attn, temperature):
     return torch.nn.functional.pad(lp, (1, 0))
 
 
+def direct_chunk(logits, targets, temperature):
+    """chunk_logprobs without the chunks: one [N, vocab] float32 log-softmax."""
+    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+    return torch.log_softmax(scaled, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 def small_llama(dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,8 +82,8 @@ def test_grpo_step_is_unchanged(monkeypatch, tiny, tmp_path):
         tmp_path, "micro_batch_size=2", "beta=0.1", "num_iterations=2", "temperature=0.8", "learning_rate=1.0"
     )
     out = []
-    for fn in (M.token_logprobs, direct_logprobs):
-        monkeypatch.setattr(M, "token_logprobs", fn)
+    for fn in (M.chunk_logprobs, direct_chunk):
+        monkeypatch.setattr(M, "chunk_logprobs", fn)
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=cfg.learning_rate)  # Adam would magnify float noise in tiny gradients
         metrics = M.train_on_samples(

@@ -62,10 +62,12 @@ def test_the_lora_reference_is_the_base_model_with_the_adapters_off(tmp_path, ti
     s.append(tok.encode("<|im_start|>user\nWhat is the value of golf?<|im_end|>\n"), mask=0)
     s.append(tok.encode("<answer>x</answer>"), mask=1, logprobs=[-1.0] * len(tok.encode("<answer>x</answer>")), turn=0)
     [mb], _ = M.prepare_microbatches(model, ref, [s], cfg, 0, torch.device("cpu"))
+    ids = torch.tensor([s.input_ids])
     with torch.no_grad():  # directly, not the trainer's token_logprobs: log-softmax at the temperature, next token
-        logits = base(input_ids=mb["ids"], attention_mask=mb["attn"]).logits[:, :-1].float()
-    want = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, mb["ids"][:, 1:, None]).squeeze(-1)
-    torch.testing.assert_close(mb["ref"][:, 1:], want)
+        logits = base(input_ids=ids).logits[:, :-1].float()
+    want = torch.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    want = torch.nn.functional.pad(want, (1, 0))  # position 0 has no logprob
+    torch.testing.assert_close(mb["ref"], want * torch.tensor(s.loss_mask))  # packed: trained tokens only
     assert (mb["old"] - mb["ref"]).abs().max() > 1e-3, "the policy (adapters on) is not the reference"
 
 

@@ -17,6 +17,7 @@ FEATURE_TOKENS = {
     "saves that say what was saved, a failed save in one line, a token for servers other hosts reach (issue 32)": 72,
     "paths beside the recipe, a run folder per override, the lock released, curves.png, the no-gradient note (issue 33)": 984,
     "a sync check that judges the slope of the server's change on the trainer's, one probe a sync (issues 32, 38)": 209,
+    "packed rows with shared prefixes merged into a trie, trie attention on the CPU and FlexAttention on a GPU (issue 36)": 1_292,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
