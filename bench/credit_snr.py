@@ -274,14 +274,18 @@ def estimates(proc: dict, theta, cfg: M.Config, trees: list) -> tuple[np.ndarray
     M.assign_advantages(episodes, turn_R, outcome_R, cfg)
     samples, _ = M.trainable_samples(episodes, cfg)
     group_of = {id(s): ep.group for ep in episodes for s in ep.samples}
-    owner = torch.tensor([group_of[id(s)] for s in samples])
-    batch = M.collate(samples, 0, "cpu")
+    rows = M.pack_rows(samples, sum(len(s.input_ids) for s in samples))
+    batch = M.collate(rows, samples, 0, "cpu")  # the loss's [B, T] tensors, one row per sample in the rows' order
+    in_batch = [samples[i] for row in rows for i, _, _ in row["members"]]
+    owner = torch.tensor([group_of[id(s)] for s in in_batch])
+    width = batch["mask"].shape[1]
+    ids = torch.tensor([s.input_ids + [0] * (width - len(s.input_ids)) for s in in_batch])
     theta_copies = torch.tensor(np.array(theta), dtype=torch.float64).repeat(len(trees), 1, 1).requires_grad_()
-    logp = tabular_logprobs(theta_copies, owner, batch["ids"], len(proc["rows"]))
+    logp = tabular_logprobs(theta_copies, owner, ids, len(proc["rows"]))
     loss, _ = M.grpo_loss(logp, logp.detach(), logp.detach(), batch["adv"], batch["mask"], cfg, cfg.num_generations, 1)
     (-loss).backward()
     tokens = np.zeros(len(trees))
-    np.add.at(tokens, owner.numpy(), [sum(s.loss_mask) for s in samples])
+    np.add.at(tokens, owner.numpy(), [sum(s.loss_mask) for s in in_batch])
     return theta_copies.grad.reshape(len(trees), -1).numpy(), tokens
 
 

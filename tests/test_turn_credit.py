@@ -341,7 +341,7 @@ class Tabular(torch.nn.Module):
         self.theta = torch.nn.Parameter(torch.tensor(theta, dtype=torch.float64))
         self.rows = len(proc["rows"])
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
         forced = torch.tensor([[0.0, -1e9]], dtype=torch.float64)
         after_action = torch.zeros(2, 2, dtype=torch.float64)  # what follows an action token is never trained
         actions = torch.cat([self.theta, forced, after_action])  # [vocab, 2]
