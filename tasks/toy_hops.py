@@ -35,6 +35,13 @@ Design:
   lookup turn k the demonstration looks the next key up with probability p_call, else stops and guesses a random
   colour; after the last result it answers that colour, written first in its reasoning.
 
+Revised once, after a check of the build alone and before any training result was used: the first build (275 + 75
+steps, 444 s on the loaded shared machine) gave the right key only 0.09, 0.06, 0.08 of the probability at the three
+hops (teacher-forced, after a right prefix; P(look up) 0.47, 0.45, 0.45), so its sampled held-out episodes took the
+first hop in 5 of 128 and completed no chain (greedy: 0.23). Each key is a rare token (one of 288), and copying it
+was not yet learned: the first phase is now 800 steps, the mix 100. (This was seen in the timing pilot's step-0
+eval, seed 900; the pilot was stopped after 3 training steps, whose numbers were not used.)
+
 Prediction (written before any training run; the warm start's measured per-hop rates go in docs/turn-credit.md):
 - The issue's tabular model of this decision process gives gradient signal-to-noise per step at the warm start of
   about 0.7 (GRPO-OR), 3.9 (MT-GRPO), 6.1 (per-turn rewards), 3.6 (tree, b 2), and more hops widen the gaps.
@@ -71,8 +78,8 @@ EVAL_QUESTIONS = QUESTIONS[:2]
 EVAL_PER_COLOUR = 4
 WARMSTART = dict(
     demonstrations=2048,
-    steps=350,
-    lookup_only_steps=275,
+    steps=900,
+    lookup_only_steps=800,
     batch_size=16,
     lr=3e-3,
     seed=0,
