@@ -9,10 +9,10 @@ had been seen, and they inform the prediction):
   same warm-started model; the modes differ only in `advantage_mode`. Seeds 100-107, paired. Two trainers at once,
   one thread each. A crashed run is started again on the same seed; a collapsed run counts as it falls.
 - Evaluation: the 24 held-out prompts (8 countries the RL never trains on, 3 question forms; the task has no more),
-  6 episodes each at temperature 1, seeded (144 episodes), at steps 0, 5, 10, 15 and 20; greedy beside it.
+  6 episodes each at temperature 1, seeded (144 episodes), at steps 0, 10 and 20; greedy beside it.
 - Primary metric, per run: the held-out share of episodes that called the tool right AND answered right
   (`answer_in_result_reward` and `exact_answer_reward` both 1): a guess (right 1 time in 4) cannot reach it.
-  Averaged over the evaluations at steps 5, 10, 15 and 20.
+  Averaged over the evaluations at steps 10 and 20.
 - Planned comparisons on it: MT-GRPO > GRPO-OR, MT-GRPO > GRPO-MR; one-sided exact Wilcoxon signed-rank,
   Holm-corrected over the two; 95% bootstrap CI of the mean paired difference. Shown when the Holm p < 0.05.
 - Prediction: MT-GRPO > GRPO-OR is shown (outcome-only credit collapses or delays tool use on some seeds);
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     )
     ap.add_argument("--max-steps", type=int, default=20, help="training steps per run (32 episodes each)")
     ap.add_argument("--target", type=float, default=0.5, help="exact-match threshold for 'steps to'")
-    ap.add_argument("--eval-every", type=int, default=5, help="evaluate at step 0 and every N steps")
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluate at step 0 and every N steps")
     ap.add_argument("--jobs", type=int, default=2, help="trainers at once, one thread each")
     return ap.parse_args(argv)
 

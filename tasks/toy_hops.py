@@ -178,3 +178,32 @@ def build_model(path: str, system_prompt: str = "", hops: int = 3):
 make_dataset_4hops = functools.partial(make_dataset, hops=4)
 make_eval_dataset_4hops = functools.partial(make_eval_dataset, hops=4)
 build_model_4hops = functools.partial(build_model, hops=4)
+
+
+def warm_start_rates(path: str, hops: int = 3, n: int = 32) -> dict:
+    """Teacher-forced, on the first `n` held-out prompts after a right prefix: per hop, P(look up) (the first token
+    of the reasoning is `Look`, not a guess's) and P(the right key) once the query reaches the key."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    look = tok.encode("Look", add_special_tokens=False)[0]
+    rates = {"p_look_up": [[] for _ in range(hops)], "p_right_key": [[] for _ in range(hops)]}
+    for r in make_eval_dataset(hops)[:n]:
+        demo = demonstration(r, "", random.Random(0), 1.0)
+        for k in range(hops):
+            prefix = tok.apply_chat_template(demo[: 1 + 2 * k], tokenize=False, add_generation_prompt=True)
+            query = demo[1 + 2 * k]["content"]
+            upto_key = query[: query.index('"key": "') + len('"key": "')]
+            for name, text, target in (("p_look_up", "<reasoning>", look), ("p_right_key", upto_key, None)):
+                ids = tok.encode(prefix + text, add_special_tokens=False)
+                with torch.no_grad():
+                    logp = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+                token = target if target is not None else tok.convert_tokens_to_ids(r["chain"][k])
+                rates[name][k].append(logp[token].exp().item())
+    return {name: [round(sum(x) / len(x), 3) for x in per_hop] for name, per_hop in rates.items()}
+
+
+if __name__ == "__main__":  # python tasks/toy_hops.py .cache/toy-hops3-model [hops]
+    print(warm_start_rates(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3))
