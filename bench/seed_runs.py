@@ -1,54 +1,86 @@
 """Run a learning bench's (method, seed) trainings, a few at once with one thread each, and read back what they
 logged (bench/turn_credit.py, bench/paper_effect.py).
 
-Each run is `mt_grpo_trainer.py RECIPE overrides... output_dir=DIR` in a process of its own, its console in
-DIR/train.log and its wall time in DIR/wall.json. A finished run (wall.json written) is reused. A run that fails is
+Each run is `mt_grpo_trainer.py RECIPE overrides... output_dir=DIR`, its console in DIR/train.log and its wall time
+in DIR/wall.json. `jobs` worker processes (one torch thread each) run them in turn, in-process: torch, transformers
+and the model classes are imported once per worker, not once per run (on the loaded 2-core machine a fresh process
+took about 30 s to import them and load the model). A finished run (wall.json written) is reused. A run that fails is
 started again once on the same seed, from nothing (the trainer is deterministic in-process, so a rerun of a crash is
 the run it would have been); the number of attempts is kept in wall.json.
 """
 
 import concurrent.futures
+import contextlib
 import json
+import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def train_one(recipe: str, overrides: list[str], out: str) -> dict:
-    """Train once into `out` (reused when finished); returns wall.json's figures."""
+def start_worker():
+    """A worker's set-up: one thread, the trainer importable, the repository as the working folder."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    os.chdir(ROOT)
+    sys.path.insert(0, ROOT)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_trainer(argv: list[str], log_path: str) -> int:
+    """In a worker: `mt_grpo_trainer.py argv`, its console to log_path; returns its exit status."""
+    import mt_grpo_trainer
+
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            mt_grpo_trainer.main(argv)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            return 1
+    return 0
+
+
+def train_one(pool, recipe: str, overrides: list[str], out: str) -> dict:
+    """Train once into `out` (reused when finished) on a worker of `pool`; returns wall.json's figures."""
     wall_path = os.path.join(out, "wall.json")
     if os.path.isfile(wall_path):
         with open(wall_path) as f:
             return json.load(f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # one thread per trainer
-    cmd = [sys.executable, "mt_grpo_trainer.py", recipe, *overrides, f"output_dir={out}", "resume_from_checkpoint="]
+    argv = [recipe, *overrides, f"output_dir={out}", "resume_from_checkpoint="]
     for attempt in (1, 2):
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         t0 = time.time()
-        with open(os.path.join(out, "train.log"), "w") as log:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode == 0:
+        status = pool.submit(run_trainer, argv, os.path.join(out, "train.log")).result()
+        if status == 0:
             figures = {"seconds": time.time() - t0, "attempts": attempt}
             with open(wall_path, "w") as f:
                 json.dump(figures, f)
             return figures
-        print(f"[bench] {out} failed (exit {done.returncode}, attempt {attempt}); see its train.log", flush=True)
+        print(f"[bench] {out} failed (exit {status}, attempt {attempt}); see its train.log", flush=True)
     raise RuntimeError(f"{out} failed twice on the same seed; see {out}/train.log")
 
 
 def train_all(recipe: str, runs: dict[tuple, list[str]], runs_dir: str, jobs: int) -> dict[tuple, dict]:
     """Train every (method, seed) of `runs` (its overrides) into runs_dir/METHOD-seedS, `jobs` at a time, in the
     order given; returns {(method, seed): wall.json's figures}."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+    with (
+        concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker) as workers,
+        concurrent.futures.ThreadPoolExecutor(jobs) as waiting,
+    ):
         futures = {}
         for (method, seed), overrides in runs.items():
             out = os.path.join(runs_dir, f"{method}-seed{seed}")
-            futures[(method, seed)] = pool.submit(train_one, recipe, overrides, out)
+            futures[(method, seed)] = waiting.submit(train_one, workers, recipe, overrides, out)
         walls = {}
         for key, fut in futures.items():
             walls[key] = fut.result()
