@@ -22,7 +22,8 @@ Design
   trainer's `eval_temperature`, `eval_samples`), at steps 0, 10, 20 and 30; greedy, one episode a prompt, beside it.
 - Seeds: 100-107, paired (seed s of every method shares its training prompts, and its eval stream but the tree's,
   whose eval batches hold 64 episodes, not 32: its step-0 eval is another sample of the same model). The pilot,
-  for timing only, ran seeds 900 and 901; none of its numbers enter the comparison.
+  for timing only, ran seed 900 (`--seeds 900 --max-steps 2 --eval-every 1`); none of its numbers enter the
+  comparison, and none changed its design.
 - Runs: two trainers at once, one thread each (`--jobs 2`). A crashed run is started again on the same seed; a run
   that collapses (stops calling, unlearns) counts as it falls.
 
