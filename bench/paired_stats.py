@@ -66,10 +66,12 @@ def compare(named_diffs: dict[str, list[float]]) -> dict[str, dict]:
     """For each planned comparison ("A > B": per-seed differences A - B): wins, exact one-sided Wilcoxon p, its Holm
     adjustment over the family, and the bootstrap CI of the mean difference."""
     names = list(named_diffs)
-    raw = [wilcoxon_greater(named_diffs[n]) for n in names]
+    # rates averaged over eval points: equal ones can differ by float noise (5.6e-17), which is a tie, not a loss
+    rounded = {n: [round(x, 12) for x in named_diffs[n]] for n in names}
+    raw = [wilcoxon_greater(rounded[n]) for n in names]
     out = {}
     for name, p, p_holm in zip(names, raw, holm(raw)):
-        d = named_diffs[name]
+        d = rounded[name]
         out[name] = {
             "diffs": d,
             "wins": sum(x > 0 for x in d),

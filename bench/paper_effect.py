@@ -103,7 +103,7 @@ def tables(runs, seeds, target, warm=None, window=10):
         )
     out += [
         "",
-        "Exact match per seed (greedy, held out):",
+        "Exact match per seed (held out, sampled, at the last step):",
         "",
         "| Method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
         "|---" * (len(seeds) + 1) + "|",

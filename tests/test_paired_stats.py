@@ -44,3 +44,11 @@ def test_the_comparison_line_has_the_planned_form():
     line = comparison_line("per-turn > MT-GRPO", c["per-turn > MT-GRPO"])
     assert line.startswith("per-turn > MT-GRPO: 7 of 8 seeds, p = 0.016 (Holm), CI [")  # 2 x 2/256
     assert c["x > y"]["p_holm"] == 1.0 and c["x > y"]["wins"] == 0
+
+
+def test_float_noise_is_a_tie_not_a_loss():
+    # (0.3958 + 0.2569) / 2 - (0.3611 + 0.2917) / 2: the same 94 of 288 episodes, 5.6e-17 apart in floats
+    noise = (57 / 144 + 37 / 144) / 2 - (52 / 144 + 42 / 144) / 2
+    assert noise != 0
+    c = compare({"a > b": [0.1, 0.2, noise]})["a > b"]
+    assert c["diffs"][2] == 0 and c["p"] == 1 / 4  # two pairs left, both above
