@@ -234,6 +234,10 @@ class Config:
     """Evaluate every N training steps (0 = only with the `eval` command)."""
     eval_max_examples: Annotated[int, ">= 0"] = 0
     """Evaluate on the first N rows of `eval_dataset` (0 = all)."""
+    eval_temperature: Annotated[float, "[0, 2]"] = 0.0
+    """Sampling temperature of evaluation (0 = greedy). Above 0 the in-process sampler is seeded by `seed` and the step, so a rerun evaluates the same episodes, and one greedy episode a row is logged beside (eval/greedy_NAME)."""
+    eval_samples: Annotated[int, ">= 1"] = 1
+    """Episodes per eval row at `eval_temperature` (a greedy eval's are all the same)."""
     # --- scale: the vLLM server and several GPUs
     vllm_server_url: list[str] = field(default_factory=list)
     """Sample from running `vllm serve` servers at these URLs, e.g. [http://10.0.0.7:8000, http://10.0.0.8:8000] (one may be written alone, several also comma-separated; [] = the in-process sampler)."""
@@ -894,14 +898,19 @@ class MultiTurnToolEnv:
             ep.messages.append(self.fmt.result(results[-1]))
         return results
 
-    def rollout(self, rows: list[dict], sampler, generator=None, greedy: bool = False) -> list[Episode]:
+    def rollout(
+        self, rows: list[dict], sampler, generator=None, eval_temperature: float | None = None
+    ) -> list[Episode]:
         """Run all episodes turn by turn; each turn samples every unfinished episode in one batch. `rows` holds each
-        prompt roots_per_prompt times in a row; with branching, an episode goes on b ways after a tool result."""
+        prompt roots_per_prompt times in a row; with branching, an episode goes on b ways after a tool result. An eval
+        (`eval_temperature` set, 0 = greedy) runs one path per row, at that temperature."""
         active = eps = [self.new_episode(r) for r in rows]
         for i, ep in enumerate(eps):
             ep.group, ep.node, ep.session = i // roots_per_prompt(self.cfg), (i,), next(SESSIONS)
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
-        knobs = (0.0 if greedy else self.cfg.temperature, self.cfg.top_p, self.stop, generator)
+        evaluating = eval_temperature is not None
+        temperature = eval_temperature if evaluating else self.cfg.temperature
+        knobs = (temperature, self.cfg.top_p, self.stop, generator)
         while active:
             prompts, budgets = [], []
             for ep in active:
@@ -917,7 +926,7 @@ class MultiTurnToolEnv:
                 outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs, sessions)
                 pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
                 self.run_tools(pending)
-                if self.cfg.branch_width > 1 and not greedy:  # at the first branch_depth tool results of each path
+                if self.cfg.branch_width > 1 and not evaluating:  # at the first branch_depth tool results of each path
                     called = {id(ep): ep for ep, _ in pending if len(ep.node) <= self.cfg.branch_depth}
                     eps = eps + [clone for ep in called.values() for clone in self.branch(ep)]
             active = [ep for ep in eps if not ep.done]
@@ -1067,6 +1076,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     run = setup(cfg, eval_only)  # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
+    if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
+        evaluate(run, 0, record=True)
     try:
         for step in run.steps:
             t0 = time.time()
@@ -1107,34 +1118,59 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
 
 
 def evaluate(run, step: int, record: bool = False) -> dict:
-    """Greedy rollouts over the eval rows (each rank takes its share), scored by every reward function (the paper's
-    table columns are reward functions). Rank 0 prints the table, writes eval/step-N.jsonl (and with `record`, as
-    the `eval` command does, a line of eval/metrics.jsonl) and returns the means."""
-    cfg, rank, world, reward_fns, eps = run.cfg, run.rank, run.world, run.turn_fns + run.outcome_fns, []
-    mine, chunk = run.eval_rows[rank::world], cfg.prompts_per_step * cfg.num_generations // world
-    for i in range(0, len(mine), chunk):
-        eps += run.env.rollout(mine[i : i + chunk], run.sampler, greedy=True)
-    if eps:  # bounded by reward_timeout; a signal waits for the step's end
-        score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
-        score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
-    kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
-    records = [{"step": step, "row": rank + world * i, **{k: getattr(ep, k) for k in kept}} for i, ep in enumerate(eps)]
-    records = [r for part in gather_to_rank0(records) for r in part]
-    if rank != 0:
+    """Rollouts over the eval rows, scored by every reward function (the paper's table columns are reward functions):
+    `eval_samples` episodes a row at `eval_temperature`, and above 0 one greedy episode a row beside (its means as
+    eval/greedy_NAME). Rank 0 prints the table, writes eval/step-N.jsonl (and eval/step-N-greedy.jsonl; with
+    `record`, as the `eval` command does, a line of eval/metrics.jsonl) and returns the means."""
+    cfg = run.cfg
+    t0 = time.time()
+    records = eval_episodes(run, step, cfg.eval_temperature, cfg.eval_samples)
+    greedy = eval_episodes(run, step, 0.0, 1) if cfg.eval_temperature > 0 else []
+    if run.rank != 0:
         return {}
-    out = os.path.join(cfg.output_dir, "eval", f"step-{step}.jsonl")  # setup made eval/ (prepare_output_dir)
-    with open(out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["row"]))
-    names = [reward_name(fn) for fn in reward_fns]
-    m = {f"eval/{n}": float(np.mean([r["rewards"][n] for r in records])) for n in names}
-    m["eval/answered"] = float(np.mean([r["end_reason"] == "answer" for r in records]))
-    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, greedy -> {out}\n| metric | mean |\n|---|---|")
+    m = {}
+    files = []
+    for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
+        if not recs:
+            continue
+        files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
+        with open(files[-1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+        for n in (reward_name(fn) for fn in run.turn_fns + run.outcome_fns):
+            m[f"eval/{prefix}{n}"] = float(np.mean([r["rewards"][n] for r in recs]))
+        m[f"eval/{prefix}answered"] = float(np.mean([r["end_reason"] == "answer" for r in recs]))
+    how = f"temperature {cfg.eval_temperature}, seeded" if cfg.eval_temperature > 0 else "greedy"
+    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, {how} -> {', '.join(files)}")
+    print("| metric | mean |\n|---|---|")
     for k, v in m.items():
         print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
+    m["time/eval"] = time.time() - t0
     if record:
         with open(os.path.join(cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "model": run.src, **m}) + "\n")
     return m
+
+
+def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict]:
+    """`samples` episodes of each eval row (each rank takes its share of the rows), scored; on rank 0 every rank's
+    records, by row and sample, else []. The sampling is seeded by the run's seed and the step: a rerun is the same."""
+    cfg, rank, world = run.cfg, run.rank, run.world
+    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]
+    chunk = cfg.prompts_per_step * cfg.num_generations // world
+    generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
+    eps = []
+    for k in range(0, len(mine), chunk):
+        rows = [run.eval_rows[i] for i, _ in mine[k : k + chunk]]
+        eps += run.env.rollout(rows, run.sampler, generator, eval_temperature=temperature)
+    if eps:  # bounded by reward_timeout; a signal waits for the step's end
+        score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
+        score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+    kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
+    records = [
+        {"step": step, "row": i, "sample": j, **{k: getattr(ep, k) for k in kept}} for (i, j), ep in zip(mine, eps)
+    ]
+    records = [r for part in gather_to_rank0(records) for r in part]
+    return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
 
 # === 8. CLI ==============================================================================
@@ -1460,7 +1496,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
-    if eval_only:  # eval is greedy: no logprobs to check
+    if eval_only:  # no training: no logprobs to check
         return run
     if run.sampler.policy_version is not None:  # in-process they are the trainer's
         run.check_logprobs_mode(prompt_ids)
@@ -3056,7 +3092,7 @@ def print_help():
     print(
         __doc__.split("\n\nThe invariants")[0]
         + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
-        "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (greedy, on eval_dataset)\n"
+        "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (on eval_dataset, at eval_temperature)\n"
         "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
         "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n"
         "       python mt_grpo_trainer.py plot RUN_DIR [RUN_DIR ...] [--out FILE]   (curves; several runs on one)\n\n"

@@ -1,24 +1,38 @@
-"""The paper's effect on the CPU: MT-GRPO vs GRPO-OR vs GRPO-MR on the paper-effect task (tasks/toy_flags.py).
+"""The paper's effect on the CPU: MT-GRPO vs GRPO-OR vs GRPO-MR on the paper-effect task (tasks/toy_flags.py),
+paired by seed, with a sampled evaluation that can see the effect.
 
-    .venv/bin/python bench/paper_effect.py [--seeds 0 1 2 3 4] [--max-steps 20] [--target 0.5]
+    .venv/bin/python bench/paper_effect.py --seeds 100 101 102 103 104 105 106 107
 
-Every (mode, seed) trains hf_recipes/toy/toy-flags--mt-grpo.yaml from the same warm-started model and is
-evaluated greedily on the 8 held-out countries (24 prompts) at its last step; the warm-started model itself
-is evaluated once. The first table has the paper's columns (tool execution, answer in search results,
-format, exact match: the recipe's reward functions), as means over seeds; then the first-turn tool-call
-rate during training (rollout/tool_rate_turn0, first vs last 10 steps) and the first step at which the
-trailing-10-step exact match on training rollouts reaches --target (a guess alone scores 0.25). Runs go to
-bench/runs/paper-effect/N-steps/; a finished run is reused.
+Pre-registered (written before any run of this design; the 5-seed greedy runs of docs/paper-effect.md, seeds 0-4,
+had been seen, and they inform the prediction):
+- Every (mode, seed) trains hf_recipes/toy/toy-flags--mt-grpo.yaml (20 steps of 4 prompts x 8 episodes) from the
+  same warm-started model; the modes differ only in `advantage_mode`. Seeds 100-107, paired. Two trainers at once,
+  one thread each. A crashed run is started again on the same seed; a collapsed run counts as it falls.
+- Evaluation: the 24 held-out prompts (8 countries the RL never trains on, 3 question forms; the task has no more),
+  6 episodes each at temperature 1, seeded (144 episodes), at steps 0, 10 and 20; greedy beside it.
+- Primary metric, per run: the held-out share of episodes that called the tool right AND answered right
+  (`answer_in_result_reward` and `exact_answer_reward` both 1): a guess (right 1 time in 4) cannot reach it.
+  Averaged over the evaluations at steps 10 and 20.
+- Planned comparisons on it: MT-GRPO > GRPO-OR, MT-GRPO > GRPO-MR; one-sided exact Wilcoxon signed-rank,
+  Holm-corrected over the two; 95% bootstrap CI of the mean paired difference. Shown when the Holm p < 0.05.
+- Prediction: MT-GRPO > GRPO-OR is shown (outcome-only credit collapses or delays tool use on some seeds);
+  MT-GRPO > GRPO-MR is not (the merged scalar already ranks a right call above a guess; they were close on 0-4).
+- Also printed: the paper's columns (tool execution, answer in search results, format, exact match; sampled, at
+  the last step), the first-turn tool-call rate, and "steps to" the --target training exact match.
+The comparison lines come last; per-seed figures go to RUNS_DIR/results.json, runs to bench/runs/paper-effect/.
 """
 
 import argparse
 import json
 import os
-import subprocess
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy_modes import MODES, ROOT, steps_to, train_modes  # noqa: E402
+from paired_stats import compare, comparison_line  # noqa: E402
+from seed_runs import eval_points, read_jsonl, time_split, train_all  # noqa: E402
+from toy_modes import MODES, ROOT, steps_to  # noqa: E402
 
 RECIPE = "hf_recipes/toy/toy-flags--mt-grpo.yaml"
 COLUMNS = {
@@ -28,15 +42,23 @@ COLUMNS = {
     "exact_answer_reward": "exact match",
 }
 EXACT = "exact_answer_reward"
+PLANNED = [("mt_grpo", "grpo_outcome"), ("mt_grpo", "grpo_merged")]
+EVAL = ["eval_temperature=1.0", "eval_samples=6"]
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="training seeds, one run per mode each"
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(range(100, 108)),
+        help="paired training seeds, one run per mode each",
     )
     ap.add_argument("--max-steps", type=int, default=20, help="training steps per run (32 episodes each)")
     ap.add_argument("--target", type=float, default=0.5, help="exact-match threshold for 'steps to'")
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluate at step 0 and every N steps")
+    ap.add_argument("--jobs", type=int, default=2, help="trainers at once, one thread each")
     return ap.parse_args(argv)
 
 
@@ -56,7 +78,8 @@ def final_eval(metrics):
 def tables(runs, seeds, target, warm=None, window=10):
     """Markdown tables from {(mode, seed): metrics rows} (and the warm-started model's eval figures)."""
     out = [
-        f"Greedy eval on 24 held-out prompts after {len(next(iter(runs.values())))} steps, mean over seeds "
+        f"Held-out eval (24 prompts x 6 episodes, temperature 1) after {len(next(iter(runs.values())))} steps, "
+        f"mean over seeds "
         f"{', '.join(map(str, seeds))}; tool-call rate = rollout/tool_rate_turn0 (first vs last {window} steps); "
         f"steps to = first step whose trailing-{window}-step training exact match is >= {target}:",
         "",
@@ -80,7 +103,7 @@ def tables(runs, seeds, target, warm=None, window=10):
         )
     out += [
         "",
-        "Exact match per seed (greedy, held out):",
+        "Exact match per seed (held out, sampled, at the last step):",
         "",
         "| Method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
         "|---" * (len(seeds) + 1) + "|",
@@ -92,32 +115,72 @@ def tables(runs, seeds, target, warm=None, window=10):
     return "\n".join(out)
 
 
-def main():
-    args = parse_args()
-    # One thread per trainer: on a shared 2-core machine torch's default threads oversubscribe the cores,
-    # and a step took 15-30 s instead of under 1 s.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    runs_dir = os.path.join(ROOT, "bench", "runs", "paper-effect")
-    warm_dir = os.path.join(runs_dir, "warmstart")
-    if not os.path.isfile(os.path.join(warm_dir, "eval", "metrics.jsonl")):
-        print("[bench] warm-started model, eval ...", flush=True)  # also builds the model on first use
-        subprocess.run(
-            [sys.executable, "mt_grpo_trainer.py", "eval", RECIPE, f"output_dir={warm_dir}"],
-            cwd=ROOT,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    with open(os.path.join(warm_dir, "eval", "metrics.jsonl")) as f:
-        warm = final_eval([json.loads(line) for line in f])
-    runs = train_modes(
-        RECIPE,
-        args.seeds,
-        args.max_steps,
-        os.path.join(runs_dir, f"{args.max_steps}-steps"),
-        overrides=[f"eval_steps={args.max_steps}", f"save_steps={args.max_steps}"],
-    )
-    print("\n" + tables(runs, args.seeds, args.target, warm))
+def right_call_and_answer(run_dir: str, step: int) -> float:
+    """The share of the sampled held-out episodes at `step` that called the tool right and answered right."""
+    records = read_jsonl(os.path.join(run_dir, "eval", f"step-{step}.jsonl"))
+    both = [r["rewards"]["answer_in_result_reward"] == 1.0 and r["rewards"][EXACT] == 1.0 for r in records]
+    return statistics.mean(both)
+
+
+def primary_table(fig: dict, seeds: list[int]) -> str:
+    points = sorted(fig[("mt_grpo", seeds[0])]["series"])
+    out = ["Primary: held-out right call and right answer (sampled, mean of the evals after step 0), per seed:", ""]
+    out += ["| Method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---" * (len(seeds) + 2) + "|"]
+    for mode, name in MODES.items():
+        xs = [fig[(mode, s)]["primary"] for s in seeds]
+        out.append(f"| {name} | " + " | ".join(f"{x:.3f}" for x in xs) + f" | {statistics.mean(xs):.3f} |")
+    out += ["", "Means over seeds at each eval point (step: right call and answer / greedy exact match):", ""]
+    out += ["| Method | " + " | ".join(f"step {p}" for p in points) + " | wall s | training s | eval s | other s |"]
+    out += ["|---" * (len(points) + 5) + "|"]
+    for mode, name in MODES.items():
+        cells = []
+        for p in points:
+            both = statistics.mean(fig[(mode, s)]["series"][p] for s in seeds)
+            greedy = statistics.mean(fig[(mode, s)]["greedy_exact"][p] for s in seeds)
+            cells.append(f"{both:.3f} / {greedy:.3f}")
+        t = [
+            statistics.mean(fig[(mode, s)]["time"][k] for s in seeds)
+            for k in ("wall", "training", "evaluation", "other")
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.0f}" for x in t) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    runs_dir = os.path.join(ROOT, "bench", "runs", "paper-effect", f"{args.max_steps}-steps-sampled-eval")
+    common = [f"max_steps={args.max_steps}", f"eval_steps={args.eval_every}", "save_steps=0", *EVAL]
+    runs = {(m, s): [f"seed={s}", f"advantage_mode={m}", *common] for s in args.seeds for m in MODES}
+    t0 = time.time()
+    walls = train_all(RECIPE, runs, runs_dir, args.jobs)
+    print(f"[bench] {len(runs)} runs, {args.jobs} at once: {time.time() - t0:.0f} s wall this invocation", flush=True)
+    fig = {}
+    metrics = {}
+    for (mode, seed), wall in walls.items():
+        run_dir = os.path.join(runs_dir, f"{mode}-seed{seed}")
+        points = eval_points(run_dir)
+        series = {p: right_call_and_answer(run_dir, p) for p in points}
+        metrics[(mode, seed)] = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        fig[(mode, seed)] = {
+            "primary": statistics.mean(v for p, v in series.items() if p > 0),
+            "series": series,
+            "greedy_exact": {p: m[f"eval/greedy_{EXACT}"] for p, m in points.items()},
+            "time": time_split(run_dir, wall),
+        }
+    step0 = [eval_points(os.path.join(runs_dir, f"{m}-seed{s}"))[0] for m, s in walls]
+    warm = {c: statistics.mean(p[f"eval/{c}"] for p in step0) for c in COLUMNS}  # every run's step 0, each seeded
+    planned = {}
+    for a, b in PLANNED:
+        planned[f"{MODES[a]} > {MODES[b]}"] = [fig[(a, s)]["primary"] - fig[(b, s)]["primary"] for s in args.seeds]
+    results = compare(planned)
+    with open(os.path.join(runs_dir, "results.json"), "w") as f:
+        per_seed = {f"{m}-seed{s}": v for (m, s), v in fig.items()}
+        json.dump({"args": vars(args), "runs": per_seed, "comparisons": results}, f, indent=1)
+    print("\n" + tables(metrics, args.seeds, args.target, warm))
+    print("\n" + primary_table(fig, args.seeds))
+    print(f"\nPer-seed figures: {os.path.join(runs_dir, 'results.json')}\n")
+    for name, c in results.items():
+        print(comparison_line(name, c))
 
 
 if __name__ == "__main__":

@@ -1,131 +1,189 @@
-"""Turn-level credit over more than two turns, side by side: GRPO-OR, MT-GRPO (one split), per-turn rewards without
-branching, and branching with sibling baselines, on the multi-hop task (tasks/toy_chain.py).
+"""Does the credit mode change what an agent learns? GRPO-OR, MT-GRPO, per-turn rewards and branching, paired by seed,
+on the multi-hop task where credit decides (tasks/toy_hops.py).
 
-    .venv/bin/python bench/turn_credit.py [--seeds 0 1 2 3 4] [--max-steps 30] [--target 0.5]
+    .venv/bin/python bench/turn_credit.py --seeds 100 101 102 103 104 105 106 107          # the comparison
+    .venv/bin/python bench/turn_credit.py --seeds 100 ... 107 --hops 4                     # the longer variant
 
-Decided before any run (the task's docstring has the design and the prediction):
-- every method trains hf_recipes/toy/toy-chain--mt-grpo.yaml from the same warm-started model, 4 prompts a step;
-- GRPO-OR: `advantage_mode: grpo_outcome`; MT-GRPO: `mt_grpo` with the first hop's reward (an episode-level turn
-  reward, on the turns before the first tool result); per-turn rewards: `reward_to_go` with `hop_reward` (one reward
-  per turn, the prompt's leave-one-out baseline); branching: `tree` with `hop_reward`, `branch_width: 2`,
-  `branch_depth: 3`, 32 leaves from 4 roots;
-- equal sampled tokens: the three others run 8 independent episodes a prompt. The design first had 16 leaves from 2
-  roots (a full chain is 4 turns, 32 turns a prompt, and 2 + 4 + 8 + 16 = 30 for the tree), but most paths stop
-  before the third lookup, and in a 2-step smoke run (seed 0, all four methods: held-out exact match 0.25 GRPO-OR,
-  0.75 MT-GRPO, 0.875 per-turn, 0.25 branching) the tree sampled 0.54x MT-GRPO's tokens. So 4 roots, decided then
-  and not changed after. The table reports what each really sampled;
-- the reading: held-out exact match (greedy, 24 prompts) at the last step, per seed, paired against MT-GRPO and
-  MT-GRPO against GRPO-OR; the goal is branching above MT-GRPO and MT-GRPO above GRPO-OR on at least 4 of 5 seeds.
-Also reported: steps until the trailing-5-step training exact match reaches --target, how far the held-out episodes
-got (the share that took hops 1, 2 and 3 of the chain in order), sampled and trained tokens, and wall time.
-Runs go to bench/runs/turn-credit/N-steps/; a finished run is reused.
+Pre-registered: everything below was written and committed before any training run on this task was seen.
+
+Design
+- Task: hf_recipes/toy/toy-hops--mt-grpo.yaml (64 training chains of 3 hops, 32 held out, 8 colours, exact match the
+  only weighted outcome, 5 tool calls allowed). `--hops 4`: the 4-hop variant, its own warm start, 6 calls allowed.
+- Every run starts from the same warm-started model (built once, `build_model`), trains 30 steps of 4 prompts,
+  learning rate 5e-4, and differs from the others of its seed only in the credit:
+  - GRPO-OR: `advantage_mode: grpo_outcome`, 8 independent episodes a prompt;
+  - MT-GRPO: `mt_grpo` with `first_hop_reward` (the paper's one split), 8 episodes a prompt;
+  - per-turn: `reward_to_go` with `hop_reward` (each lookup turn its own reward, the prompt's leave-one-out
+    baseline), 8 episodes a prompt;
+  - tree: `tree` with `hop_reward`, `branch_width: 2`, `branch_depth: 2`: 16 leaves a prompt from 4 roots, a
+    sibling baseline for the decisions after the first and the second tool result. (At the warm start's call rate a
+    tree samples about as many turns as 8 independent episodes; as the chain is learned, up to 1.4x. Reported.)
+- Evaluation: the 64 held-out prompts (32 chains x 2 question forms), 2 episodes each at temperature 1, seeded (the
+  trainer's `eval_temperature`, `eval_samples`), at steps 0, 10, 20 and 30; greedy, one episode a prompt, beside it.
+- Seeds: 100-107, paired (seed s of every method shares its training prompts, and its eval stream but the tree's,
+  whose eval batches hold 64 episodes, not 32: its step-0 eval is another sample of the same model). The pilot,
+  for timing only, ran seed 900 (`--seeds 900 --max-steps 2 --eval-every 1`); none of its numbers enter the
+  comparison, and none changed its design.
+- Runs: two trainers at once, one thread each (`--jobs 2`). A crashed run is started again on the same seed; a run
+  that collapses (stops calling, unlearns) counts as it falls.
+
+Metric and test
+- Primary, per run: the held-out chain-completion rate (`chain_completed_reward`: every hop taken in order and the
+  right colour; a guess cannot reach it), sampled, averaged over the evaluations at steps 10, 20 and 30 (an area
+  under the learning curve: how soon and how far the chain was learned).
+- Planned comparisons, paired per seed on the primary metric: per-turn > MT-GRPO, tree > MT-GRPO,
+  MT-GRPO > GRPO-OR. Each: one-sided exact Wilcoxon signed-rank test (zero differences dropped), Holm-corrected over
+  the three; a 95% percentile bootstrap CI of the mean difference over seeds (10,000 resamples).
+- Decision rule: a comparison is shown when its Holm-adjusted p < 0.05; otherwise it is not shown, and the docs say
+  whether the methods tie or the order is reversed, with the CI.
+- Reported beside, not tested: the completion rate at each eval point, greedy exact match, how far held-out episodes
+  got (the share that took hop k in order), sampled and trained tokens, and where each run's time went.
+
+Prediction (tasks/toy_hops.py): per-turn > MT-GRPO > GRPO-OR; tree >= MT-GRPO, near per-turn.
+
+Amended before any result of the comparison was read (2026-11-27): the per-turn modes' default became centring only
+(`scale_returns: false`, chosen from bench/credit_snr.py's exact figures, docs/turn-credit.md), and these runs take
+that default. The 8 runs made under the earlier default (divided by the group's return std) were discarded unread.
+
+Output: tables, then the three comparison lines last (`per-turn > MT-GRPO: 7 of 8 seeds, p = 0.008 (Holm), CI [0.04,
+0.19]`); per-seed figures in RUNS_DIR/results.json, runs in bench/runs/turn-credit/H-hops-N-steps/.
 """
 
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paired_stats import compare, comparison_line  # noqa: E402
+from seed_runs import ROOT, eval_points, read_jsonl, time_split, train_all  # noqa: E402
+
 sys.path.insert(0, ROOT)
-from rewards.toy_chain_reward import hops  # noqa: E402
+from rewards.toy_hops_reward import hops  # noqa: E402
+from tasks.toy_hops import make_eval_dataset  # noqa: E402
 
-RECIPE = "hf_recipes/toy/toy-chain--mt-grpo.yaml"
-HOP = "turn_reward_funcs=[rewards/toy_chain_reward.py:hop_reward]"
-SCALED = "scale_returns=true"  # the per-turn modes' default when these runs were measured
+RECIPE = "hf_recipes/toy/toy-hops--mt-grpo.yaml"
+HOP = "turn_reward_funcs=[rewards/toy_hops_reward.py:hop_reward]"
 METHODS = {
     "grpo_or": ("GRPO-OR", ["advantage_mode=grpo_outcome"]),
-    "mt_grpo": ("MT-GRPO (one split)", ["advantage_mode=mt_grpo"]),
-    "reward_to_go": ("per-turn rewards, no branching", ["advantage_mode=reward_to_go", HOP, SCALED]),
-    "tree": (
-        "branching (b 2, depth 3, 32 leaves)",
-        ["advantage_mode=tree", HOP, SCALED, "branch_width=2", "branch_depth=3", "num_generations=32"],
-    ),
+    "mt_grpo": ("MT-GRPO", ["advantage_mode=mt_grpo"]),
+    "per_turn": ("per-turn", ["advantage_mode=reward_to_go", HOP]),
+    "tree": ("tree", ["advantage_mode=tree", HOP, "branch_width=2", "branch_depth=2", "num_generations=16"]),
+}
+PLANNED = [("per_turn", "mt_grpo"), ("tree", "mt_grpo"), ("mt_grpo", "grpo_or")]
+PRIMARY = "eval/chain_completed_reward"
+VARIANTS = {  # hops -> the recipe overrides of that variant
+    3: [],
+    4: [
+        "dataset=tasks/toy_hops.py:make_dataset_4hops",
+        "eval_dataset=tasks/toy_hops.py:make_eval_dataset_4hops",
+        "model_builder=tasks/toy_hops.py:build_model_4hops",
+        "model_name_or_path=.cache/toy-hops4-model",
+        "max_env_steps=6",
+    ],
 }
 
 
-def train(method: str, seed: int, steps: int, runs_dir: str) -> list[dict]:
-    out = os.path.join(runs_dir, f"{method}-seed{seed}")
-    path = os.path.join(out, "metrics.jsonl")
-    if not (os.path.isfile(path) and sum(1 for _ in open(path)) == steps):
-        print(f"[bench] {method} seed {seed} ...", flush=True)
-        args = [f"seed={seed}", f"max_steps={steps}", f"eval_steps={steps}", f"save_steps={steps}"]
-        args += [f"output_dir={out}", "log_episodes_steps=0", "resume_from_checkpoint=", *METHODS[method][1]]
-        cmd = [sys.executable, "mt_grpo_trainer.py", RECIPE, *args]
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return [json.loads(line) for line in open(path)]
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(100, 108)), help="paired training seeds")
+    ap.add_argument("--max-steps", type=int, default=30, help="training steps per run (4 prompts each)")
+    ap.add_argument("--eval-every", type=int, default=10, help="evaluate at step 0 and every N steps")
+    ap.add_argument("--hops", type=int, choices=sorted(VARIANTS), default=3, help="the task variant")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument("--jobs", type=int, default=2, help="trainers at once, one thread each")
+    return ap.parse_args(argv)
 
 
-def hop_accuracy(run_dir: str, steps: int) -> list[float]:
-    """Per hop k, the share of the held-out episodes that took the chain's first k hops in order."""
-    eps = [json.loads(line) for line in open(os.path.join(run_dir, "eval", f"step-{steps}.jsonl"))]
-    rows = {r["row"]: r for r in eps}
-    from tasks.toy_chain import make_eval_dataset
-
-    per_hop = [hops(rows[i]["messages"], row["chain"]) for i, row in enumerate(make_eval_dataset())]
-    return [statistics.mean(sum(h) > k for h in per_hop) for k in range(3)]
+def hop_reach(run_dir: str, step: int, hops_n: int, eval_rows: list[dict]) -> list[float]:
+    """Per hop k, the share of the sampled held-out episodes at `step` that took the chain's first k hops in order."""
+    records = read_jsonl(os.path.join(run_dir, "eval", f"step-{step}.jsonl"))
+    taken = [sum(hops(r["messages"], eval_rows[r["row"]]["chain"])) for r in records]
+    return [statistics.mean(t > k for t in taken) for k in range(hops_n)]
 
 
-def steps_to(metrics: list[dict], target: float, window: int = 5):
-    r = [m["reward/exact_answer_reward"] for m in metrics]
-    return next((i for i in range(window, len(r) + 1) if sum(r[i - window : i]) / window >= target), None)
-
-
-def summary(metrics: list[dict], prompts: int) -> dict:
-    episodes = [prompts * m.get("rollout/paths_per_prompt", 8) for m in metrics]
+def run_figures(run_dir: str, wall: dict, hops_n: int, eval_rows: list[dict]) -> dict:
+    points = eval_points(run_dir)
+    steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    later = [s for s in points if s > 0]
+    paths = [m.get("rollout/paths_per_prompt", 8) * 4 for m in steps]  # episodes (paths) a step
     return {
-        "exact": metrics[-1]["eval/exact_answer_reward"],
-        "sampled": sum(m["rollout/sampled_tokens"] * n for m, n in zip(metrics, episodes)),
-        "trained": sum(m["rollout/tokens_trained"] * n for m, n in zip(metrics, episodes)),
-        "seconds": sum(m["time/step"] for m in metrics),
+        "primary": statistics.mean(points[s][PRIMARY] for s in later),
+        "completion": {s: p[PRIMARY] for s, p in points.items()},
+        "greedy_exact": {s: p["eval/greedy_exact_answer_reward"] for s, p in points.items()},
+        "sampled_exact": {s: p["eval/exact_answer_reward"] for s, p in points.items()},
+        "hop_reach": {s: hop_reach(run_dir, s, hops_n, eval_rows) for s in points},
+        "call_rate_turn0": [m.get("rollout/tool_rate_turn0", 0.0) for m in steps],
+        "sampled_tokens": sum(m["rollout/sampled_tokens"] * n for m, n in zip(steps, paths)),
+        "trained_tokens": sum(m["rollout/tokens_trained"] * n for m, n in zip(steps, paths)),
+        "time": time_split(run_dir, wall),
     }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    ap.add_argument("--max-steps", type=int, default=30)
-    ap.add_argument("--target", type=float, default=0.5, help="training exact match for 'steps to' (a guess: 0.25)")
-    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="which to run")
-    args = ap.parse_args()
-    for m in set(METHODS) - set(args.methods):
-        del METHODS[m]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per trainer: 2 shared cores oversubscribe otherwise
-    runs_dir = os.path.join(ROOT, "bench", "runs", "turn-credit", f"{args.max_steps}-steps")
-    runs = {(m, s): train(m, s, args.max_steps, runs_dir) for s in args.seeds for m in METHODS}
-    res = {k: summary(v, 4) for k, v in runs.items()}
-    acc = {(m, s): hop_accuracy(os.path.join(runs_dir, f"{m}-seed{s}"), args.max_steps) for m, s in runs}
+def tables(fig: dict, seeds: list[int], methods: list[str]) -> str:
     mean = statistics.mean
-    print(f"\nHeld-out exact match (greedy, 24 prompts) after {args.max_steps} steps, per seed and mean:\n")
-    print("| method | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |")
-    print("|---" * (len(args.seeds) + 2) + "|")
-    for m, (name, _) in METHODS.items():
-        em = [res[(m, s)]["exact"] for s in args.seeds]
-        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in em) + f" | {mean(em):.3f} |")
-    print("\nPaired per seed (held-out exact match, difference per seed, then wins, mean and spread):\n")
-    pairs = ("tree", "mt_grpo"), ("mt_grpo", "grpo_or"), ("reward_to_go", "mt_grpo"), ("tree", "reward_to_go")
-    for a, b in [(a, b) for a, b in pairs if a in METHODS and b in METHODS]:
-        d = [res[(a, s)]["exact"] - res[(b, s)]["exact"] for s in args.seeds]
-        sd = statistics.stdev(d) if len(d) > 1 else 0.0
-        print(
-            f"- {METHODS[a][0]} - {METHODS[b][0]}: {' '.join(f'{x:+.3f}' for x in d)}; above on "
-            f"{sum(x > 0 for x in d)} of {len(d)} seeds; mean {mean(d):+.3f}, sd {sd:.3f}"
-        )
-    print(
-        f"\nMeans over seeds; steps to = first step whose trailing-5-step training exact match is >= {args.target}:\n"
-    )
-    print("| method | hop 1 | hop 2 | hop 3 | steps to (per seed) | sampled tokens | trained tokens | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for m, (name, _) in METHODS.items():
-        hop = [mean(acc[(m, s)][k] for s in args.seeds) for k in range(3)]
-        to = " ".join(str(steps_to(runs[(m, s)], args.target) or "-") for s in args.seeds)
-        r = {k: mean(res[(m, s)][k] for s in args.seeds) for k in ("sampled", "trained", "seconds")}
-        print(
-            f"| {name} | {hop[0]:.3f} | {hop[1]:.3f} | {hop[2]:.3f} | {to} | {r['sampled']:.0f} | "
-            f"{r['trained']:.0f} | {r['seconds']:.0f} |"
-        )
+    points = sorted(fig[(methods[0], seeds[0])]["completion"])
+    out = ["Primary: held-out chain-completion rate (sampled, mean of the evals after step 0), per seed:", ""]
+    out += ["| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---" * (len(seeds) + 2) + "|"]
+    for m in methods:
+        xs = [fig[(m, s)]["primary"] for s in seeds]
+        out.append(f"| {METHODS[m][0]} | " + " | ".join(f"{x:.3f}" for x in xs) + f" | {mean(xs):.3f} |")
+    out += [
+        "",
+        "Means over seeds at each eval point (step: completion / greedy exact match / sampled exact match):",
+        "",
+    ]
+    out += ["| method | " + " | ".join(f"step {p}" for p in points) + " |", "|---" * (len(points) + 1) + "|"]
+    for m in methods:
+        cells = []
+        for p in points:
+            trio = [mean(fig[(m, s)][k][p] for s in seeds) for k in ("completion", "greedy_exact", "sampled_exact")]
+            cells.append(" / ".join(f"{x:.3f}" for x in trio))
+        out.append(f"| {METHODS[m][0]} | " + " | ".join(cells) + " |")
+    last = points[-1]
+    hops_n = len(fig[(methods[0], seeds[0])]["hop_reach"][last])
+    out += ["", f"How far the held-out episodes got (share that took hop k in order; step 0 -> step {last}), cost,", ""]
+    head = " | ".join(f"hop {k + 1}" for k in range(hops_n))
+    out += [f"| method | {head} | sampled tokens | trained tokens | wall s | training s | eval s | other s |"]
+    out += ["|---" * (hops_n + 7) + "|"]
+    for m in methods:
+        reach = [f"{mean(fig[(m, s)]['hop_reach'][0][k] for s in seeds):.2f} -> " for k in range(hops_n)]
+        reach = [r + f"{mean(fig[(m, s)]['hop_reach'][last][k] for s in seeds):.2f}" for k, r in enumerate(reach)]
+        cost = [mean(fig[(m, s)][k] for s in seeds) for k in ("sampled_tokens", "trained_tokens")]
+        t = [mean(fig[(m, s)]["time"][k] for s in seeds) for k in ("wall", "training", "evaluation", "other")]
+        out.append(f"| {METHODS[m][0]} | " + " | ".join(reach) + f" | {cost[0]:.0f} | {cost[1]:.0f} | ")
+        out[-1] += " | ".join(f"{x:.0f}" for x in t) + " |"
+    return "\n".join(out)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    methods = args.methods
+    runs_dir = os.path.join(ROOT, "bench", "runs", "turn-credit", f"{args.hops}-hops-{args.max_steps}-steps")
+    common = [f"max_steps={args.max_steps}", f"eval_steps={args.eval_every}", *VARIANTS[args.hops]]
+    runs = {(m, s): [f"seed={s}", *common, *METHODS[m][1]] for s in args.seeds for m in methods}
+    t0 = time.time()
+    walls = train_all(RECIPE, runs, runs_dir, args.jobs)
+    print(f"[bench] {len(runs)} runs, {args.jobs} at once: {time.time() - t0:.0f} s wall this invocation", flush=True)
+    eval_rows = make_eval_dataset(args.hops)
+    fig = {
+        k: run_figures(os.path.join(runs_dir, f"{k[0]}-seed{k[1]}"), w, args.hops, eval_rows) for k, w in walls.items()
+    }
+    planned = {}
+    for a, b in PLANNED:
+        if a in methods and b in methods:
+            name = f"{METHODS[a][0]} > {METHODS[b][0]}"
+            planned[name] = [fig[(a, s)]["primary"] - fig[(b, s)]["primary"] for s in args.seeds]
+    results = compare(planned)
+    with open(os.path.join(runs_dir, "results.json"), "w") as f:
+        per_seed = {f"{m}-seed{s}": v for (m, s), v in fig.items()}
+        json.dump({"args": vars(args), "runs": per_seed, "comparisons": results}, f, indent=1)
+    print("\n" + tables(fig, args.seeds, methods))
+    print(f"\nPer-seed figures: {os.path.join(runs_dir, 'results.json')}\n")
+    for name, c in results.items():
+        print(comparison_line(name, c))
 
 
 if __name__ == "__main__":

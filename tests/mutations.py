@@ -118,8 +118,8 @@ MUTATIONS = [
     ),
     Mutation(
         "evaluation not greedy (it samples at the training temperature)",
-        "run.env.rollout(mine[i : i + chunk], run.sampler, greedy=True)",
-        "run.env.rollout(mine[i : i + chunk], run.sampler, greedy=False)",
+        "temperature = eval_temperature if evaluating else self.cfg.temperature",
+        "temperature = self.cfg.temperature",
         ["tests/test_eval.py", "-k", "greedy"],
     ),
     Mutation(

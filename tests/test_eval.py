@@ -80,3 +80,57 @@ def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
     )
     assert "eval/exact_answer_reward" not in hist[0] and "eval/exact_answer_reward" in hist[1]
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()
+
+
+def eval_command(tiny_model_dir, out, *extra):
+    M.main(
+        [
+            "eval",
+            "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            f"output_dir={out}",
+            "eval_max_examples=4",
+            "max_tokens=12",
+            *extra,
+        ]
+    )
+    return [json.loads(x) for x in open(out / "eval" / "step-0.jsonl")]
+
+
+def test_sampled_eval_is_seeded_so_a_rerun_gives_the_same_episodes(tiny_model_dir, tmp_path, capsys):
+    sampled = ("eval_temperature=1.0", "eval_samples=2")
+    rows = eval_command(tiny_model_dir, tmp_path / "a", *sampled)
+    assert [(r["row"], r["sample"]) for r in rows] == [(i, j) for i in range(4) for j in range(2)]
+    assert any(a["messages"] != b["messages"] for a, b in zip(rows[::2], rows[1::2]))  # sampled, not greedy copies
+    again = eval_command(tiny_model_dir, tmp_path / "b", *sampled)
+    assert [r["messages"] for r in again] == [r["messages"] for r in rows]
+    other_seed = eval_command(tiny_model_dir, tmp_path / "c", *sampled, "seed=1")
+    assert [r["messages"] for r in other_seed] != [r["messages"] for r in rows]
+    # greedy exact match beside it: one episode a row, the same as a greedy eval's
+    beside = [json.loads(x) for x in open(tmp_path / "a" / "eval" / "step-0-greedy.jsonl")]
+    greedy = eval_command(tiny_model_dir, tmp_path / "d")
+    assert [r["messages"] for r in beside] == [r["messages"] for r in greedy]
+    summary = json.loads(open(tmp_path / "a" / "eval" / "metrics.jsonl").readline())
+    assert {"eval/exact_answer_reward", "eval/greedy_exact_answer_reward"} <= set(summary)
+    assert "temperature 1.0, seeded" in capsys.readouterr().out
+
+
+def test_training_evaluates_the_model_at_step_0_too(tiny_model_dir, tmp_path):
+    M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=1",
+            "eval_steps=1",
+            "eval_max_examples=2",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+        )
+    )
+    assert (tmp_path / "run" / "eval" / "step-0.jsonl").is_file()
+    assert (tmp_path / "run" / "eval" / "step-1.jsonl").is_file()
+    baseline = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "metrics.jsonl")]
+    assert [b["step"] for b in baseline] == [0] and "eval/exact_answer_reward" in baseline[0]

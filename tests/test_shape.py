@@ -18,6 +18,7 @@ FEATURE_TOKENS = {
     "paths beside the recipe, a run folder per override, the lock released, curves.png, the no-gradient note (issue 33)": 984,
     "a sync check that judges the slope of the server's change on the trainer's, one probe a sync (issues 32, 38)": 209,
     "packed rows with shared prefixes merged into a trie, trie attention on the CPU and FlexAttention on a GPU (issue 36)": 1_292,
+    "sampled, seeded evaluation (eval_temperature, eval_samples) and an evaluation at step 0 (issues 33, 34)": 259,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
