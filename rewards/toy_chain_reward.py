@@ -35,11 +35,13 @@ def turn_results(messages):
     return turns
 
 
-def hops(messages, chain) -> list[float]:
-    """1.0 for each assistant message whose lookup took the chain one hop further, else 0.0."""
-    out, depth = [], 0
+def hops(messages, chain, lookup=chain_lookup) -> list[float]:
+    """1.0 for each assistant message whose lookup took the chain one hop further, else 0.0 (`lookup` gives a key's
+    record: the tool of the task)."""
+    out = []
+    depth = 0
     for results in turn_results(messages):
-        ahead = depth < len(chain) and chain_lookup(chain[depth]) in results
+        ahead = depth < len(chain) and lookup(chain[depth]) in results
         depth += ahead
         out.append(1.0 if ahead else 0.0)
     return out

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rewards.toy_chain_reward import turn_results  # noqa: E402
+from rewards.toy_chain_reward import hops as chain_hops  # noqa: E402
 from rewards.toy_flags_reward import format_reward  # noqa: E402,F401  (the recipe names it from here)
 from rewards.toy_kv_reward import exact_answer_reward, first_result  # noqa: E402,F401
 from tools.hop_lookup import hop_lookup  # noqa: E402
@@ -28,13 +28,7 @@ from tools.hop_lookup import hop_lookup  # noqa: E402
 
 def hops(messages, chain) -> list[float]:
     """1.0 for each assistant message whose lookup took the chain one hop further, else 0.0."""
-    out = []
-    depth = 0
-    for results in turn_results(messages):
-        ahead = depth < len(chain) and hop_lookup(chain[depth]) in results
-        depth += ahead
-        out.append(1.0 if ahead else 0.0)
-    return out
+    return chain_hops(messages, chain, lookup=hop_lookup)
 
 
 def hop_reward(completions, chain, **_):
