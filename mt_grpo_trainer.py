@@ -1076,9 +1076,9 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     run = setup(cfg, eval_only)  # plug-ins checked, model built/loaded/resumed, sampler synced (appendix A)
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
-    if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
-        evaluate(run, 0, record=True)
     try:
+        if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
+            evaluate(run, 0, record=True)
         for step in run.steps:
             t0 = time.time()
             # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
