@@ -432,13 +432,27 @@ def test_cache_salt_keeps_other_weights_kv_out_of_the_prefix_cache(real_vllm, to
     assert reused >= 100 and metric(real_vllm.url, "vllm:prefix_cache_hits_total") - before == 0
 
 
-def test_greedy_eval_through_the_real_server(real_vllm, tmp_path):
+def test_greedy_eval_through_the_real_server(real_vllm, tmp_path, monkeypatch):
+    """Every completion request the evaluation sends is greedy (the sync check's own probe, sampled at set-up at
+    temperature 1, is not the evaluation's)."""
     calls = []
+    evaluating = []
     real_request = M.VLLMServerClient.request
+    real_eval_episodes = M.eval_episodes
 
     def request(self, method, path, deadline=None, **kw):
-        calls.append(kw.get("json"))
+        if evaluating:
+            calls.append(kw.get("json"))
         return real_request(self, method, path, deadline, **kw)
+
+    def eval_episodes(*args, **kwargs):
+        evaluating.append(True)
+        try:
+            return real_eval_episodes(*args, **kwargs)
+        finally:
+            evaluating.clear()
+
+    monkeypatch.setattr(M, "eval_episodes", eval_episodes)
 
     cfg = recipe_cfg(
         tmp_path,
