@@ -73,7 +73,9 @@ def tiny_model_dir(tmp_path_factory, tok):
 def tiny(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    attention = M.packed_attention(torch.device("cpu"))  # what load_models gives: packed rows need it in training
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def moving_run(tmp_path, model_dir) -> list[str]:
