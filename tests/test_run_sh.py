@@ -75,7 +75,7 @@ args = sys.argv[1:]
 json.dump({{"argv": args, "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"),
            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}, open({str(record)!r}, "w"))
 assert args[0] == "serve"
-opt = dict(zip(args[2::2], args[3::2]))
+opt = {{a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}}  # a flag: the word after it
 cmd = [sys.executable, {os.path.join(ROOT, "tests", "vllm_standin.py")!r}, "--model", args[1], "--port", opt["--port"],
        "--max-model-len", opt["--max-model-len"]] + ([] if os.environ.get("VLLM_SERVER_DEV_MODE") == "1" else ["--no-dev-mode"])
 os.execv(sys.executable, cmd)
@@ -422,7 +422,7 @@ def test_no_server_outlives_a_run_sh_killed_outright(tmp_path, tiny_model_dir):
 STANDIN_VLLM = """#!{python}
 import json, os, sys
 args = sys.argv[1:]
-opt = dict(zip(args[2::2], args[3::2]))
+opt = {{a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}}  # a flag: the word after it
 json.dump({{"argv": args, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}}, open(f"{record}-{{opt['--port']}}.json", "w"))
 os.execv(sys.executable, [sys.executable, {standin!r}, "--model", args[1], "--port", opt["--port"], "--max-model-len",
          opt["--max-model-len"]])
