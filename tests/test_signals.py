@@ -105,7 +105,8 @@ def test_a_signal_while_a_reward_function_hangs_saves_the_last_step_and_exits(tm
         f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n        threading.Event().wait()\n"
         f"    return [0.0] * len(completions)\n"
     )
-    p, run = start_long_run(tmp_path, tiny_model_dir, f"turn_reward_funcs=[{hang}:hang]", "reward_timeout=600")
+    hang_on = [f"turn_reward_funcs=[{hang}:hang]", "reward_timeout=600", "eval_steps=0"]  # no eval: no other call
+    p, run = start_long_run(tmp_path, tiny_model_dir, *hang_on)
     try:
         wait_for_file(tmp_path / "hanging")
         p.send_signal(getattr(signal, sig))
