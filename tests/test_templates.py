@@ -333,6 +333,8 @@ def test_check_template_cli_json():
             os.path.join(FIX, "qwen3_tokenizer"),
             "--chat-template",
             os.path.join(FIX, "qwen3_chat_template.jinja"),
+            "--tool-format",
+            "native",
             "--json",
         ],
         capture_output=True,
@@ -381,6 +383,7 @@ def test_check_template_reports_realign_boundaries(tmp_path, capsys):
     marker = "message.content + ('<|endoftext|>' if message.role == 'assistant' else '<|im_end|>') + '\\n' }}"
     (tmp_path / "t.jinja").write_text(template.replace(history, marker))
     argv = ["--tokenizer", os.path.join(FIX, "qwen3_tokenizer"), "--chat-template", str(tmp_path / "t.jinja")]
+    argv += ["--tool-format", "native"]
     assert CT.main([*argv, "--json"]) == 0  # native tool format: an answer ends in EOS, not in a stop string
     r = json.loads(capsys.readouterr().out)
     assert r["violations"] == [] and r["samples_per_episode"] == 1
