@@ -108,8 +108,23 @@ def until(condition, what: str, hang_s: float = HANG_S):
 
 
 def recipe_cfg(tmp_path, *overrides):
-    """The default recipe with test overrides."""
-    return M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}/run", *overrides])
+    """The default recipe with test overrides, evaluating only where a test asks (`eval_steps=N`): the recipe's
+    evaluation at step 0 costs a random model's 48 full-length episodes, seconds in every run."""
+    return M.load_config(
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml", [f"output_dir={tmp_path}/run", "eval_steps=0", *overrides]
+    )
+
+
+def small_run_args(tiny_model_dir, out, save_steps):
+    """The toy recipe's overrides for a run of the tiny model in small steps into `out`, saved every `save_steps`."""
+    sizes = ["prompts_per_step=2", "num_generations=2", "max_tokens=8", "log_episodes_steps=0", "eval_steps=0"]
+    return [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"output_dir={out}",
+        *sizes,
+        f"save_steps={save_steps}",
+    ]
 
 
 def main_error(capsys, *argv):

@@ -33,6 +33,7 @@ def server_args(srv, tmp_path, tiny_model_dir, *extra):
         "num_generations=2",
         "max_tokens=12",
         "log_episodes_steps=1",
+        "eval_steps=0",
         *extra,
     ]
 

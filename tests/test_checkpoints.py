@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import mt_grpo_trainer as M
-from conftest import ROOT, TOY, cli, one_line_error, recipe_cfg, until
+from conftest import ROOT, TOY, cli, one_line_error, recipe_cfg, small_run_args, until
 from test_env import ScriptedSampler, tool_call
 from test_train import run_cfg
 
@@ -71,18 +71,7 @@ def test_a_save_that_runs_out_of_room_is_one_line_and_leaves_the_earlier_checkpo
     import resource
 
     run = tmp_path / "run"
-    common = [
-        TOY,
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        f"output_dir={run}",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-        "log_episodes_steps=0",
-        "eval_steps=0",
-        "save_steps=1",
-    ]
+    common = [TOY, *small_run_args(tiny_model_dir, run, save_steps=1)]
     assert cli(*common, "max_steps=2").returncode == 0
     before = {p.relative_to(run): p.read_bytes() for p in run.glob("checkpoint-*/*")}
     weights = (run / "checkpoint-2" / "model.safetensors").stat().st_size
@@ -157,17 +146,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_earlier_run_in_place_
 
 def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    common = [
-        TOY,
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        f"output_dir={run}",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-        "save_steps=2",
-        "eval_steps=0",
-    ]
+    common = [TOY, *small_run_args(tiny_model_dir, run, save_steps=2)]
     first = subprocess.Popen(
         [sys.executable, "mt_grpo_trainer.py", *common, "max_steps=500"],
         cwd=ROOT,

@@ -38,52 +38,56 @@ def torchrun(args, timeout=240, env=None):
     )
 
 
-def assert_same_update(two: dict, one_sd: dict, one_m: dict, model_dir: str, lora: bool = False):
+def assert_same_update(two: dict, one_sd: dict, one_m: dict, model_dir: str, lora: bool = False, label: str = ""):
     """2 ranks' weights and loss equal one process's, and the update moved the weights (or it proves nothing)."""
     from transformers import AutoModelForCausalLM
 
     before = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert set(two["state"]) == set(one_sd) and all(("lora_" in k) == lora for k in one_sd), (
-        "LoRA: the adapters' tensors alone, from every layout"
+        f"{label}: LoRA's are the adapters' tensors alone, from every layout"
     )
     moved = 0.0
     for k, v in one_sd.items():
-        torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(two["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label} {k}: {m}")
         moved = max(
             moved, (v - before[k]).abs().max().item() if k in before else v.abs().max().item() * ("lora_B" in k)
         )
-    assert moved > 1e-3, "the update did nothing, so the comparison proves nothing"
-    assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7)
+    assert moved > 1e-3, f"{label}: the update did nothing, so the comparison proves nothing"
+    assert two["metrics"]["loss/policy"] == pytest.approx(one_m["loss/policy"], rel=1e-5, abs=1e-7), label
 
 
-@pytest.mark.parametrize(
-    "layout,budget",
-    [
-        ("ddp", 0),
-        ("ddp", 90),
-        ("fsdp", 0),
-        ("fsdp", 90),
-        ("fsdp+checkpointing", 90),
-        ("ddp+lora", 0),
-        ("fsdp+lora+checkpointing", 90),
-    ],
-)
-def test_two_ranks_give_the_update_of_one(tiny_model_dir, tmp_path, layout, budget):
+LAYOUTS = [  # (layout, max_tokens_per_microbatch): 0 is one micro-batch of micro_batch_size samples
+    ("ddp", 0),
+    ("ddp", 90),
+    ("fsdp", 0),
+    ("fsdp", 90),
+    ("fsdp+checkpointing", 90),
+    ("ddp+lora", 0),
+    ("fsdp+lora+checkpointing", 90),
+]
+
+
+def layout_overrides(layout: str, budget: int) -> list[str]:
+    """The recipe keys of one layout, as the one-process update takes them (which has no fsdp)."""
     lora = ["lora_rank=4", "lora_target_modules=[q_proj,up_proj]"] if "lora" in layout else []
-    overrides = [
-        f"fsdp={'true' if layout.startswith('fsdp') else 'false'}",
-        f"max_tokens_per_microbatch={budget}",
-        "micro_batch_size=3",
-        f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}",
-        *lora,
-    ]
-    r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *overrides])
+    return [f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora]
+
+
+def test_two_ranks_give_the_update_of_one_in_every_layout(tiny_model_dir, tmp_path):
+    """One launch runs every layout, each on a freshly loaded model: a launch costs seconds, a tiny model's update
+    does not."""
+    sets = []
+    for layout, budget in LAYOUTS:
+        fsdp = f"fsdp={'true' if layout.startswith('fsdp') else 'false'}"
+        checkpointing = f"gradient_checkpointing={'true' if 'checkpointing' in layout else 'false'}"
+        sets.append(" ".join([fsdp, checkpointing, *layout_overrides(layout, budget)]))
+    r = torchrun(["tests/dist_worker.py", tiny_model_dir, str(tmp_path / "two.pt"), *" :: ".join(sets).split()])
     assert r.returncode == 0, r.stderr[-3000:]
-    [two] = torch.load(tmp_path / "two.pt")
-    one_sd, one_m = update(
-        tiny_model_dir, ["fsdp=false", f"max_tokens_per_microbatch={budget}", "micro_batch_size=3", *lora]
-    )
-    assert_same_update(two, one_sd, one_m, tiny_model_dir, bool(lora))
+    for (layout, budget), two in zip(LAYOUTS, torch.load(tmp_path / "two.pt"), strict=True):
+        one_sd, one_m = update(tiny_model_dir, ["fsdp=false", *layout_overrides(layout, budget)])
+        assert_same_update(
+            two, one_sd, one_m, tiny_model_dir, lora="lora" in layout, label=f"{layout}, budget {budget}"
+        )
 
 
 # What the cross-rank sums must get right besides the policy term: the KL (beta > 0, with a second iteration so that
@@ -138,6 +142,7 @@ def _recipe_args(tiny_model_dir, run_dir, *extra):
         "log_episodes_steps=1",
         "save_steps=1",
         "max_tokens_per_microbatch=256",
+        "eval_steps=0",
         *extra,
     ]
 

@@ -570,6 +570,7 @@ def two_server_run(urls, model_dir, tmp_path, *overrides):
         "prompts_per_step=4",
         "num_generations=4",
         "log_episodes_steps=0",
+        "eval_steps=0",
         *overrides,
     ]
 

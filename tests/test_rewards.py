@@ -151,6 +151,7 @@ def test_a_reward_function_that_never_returns_stops_the_run_in_one_line(tmp_path
                         "prompts_per_step=2",
                         "num_generations=2",
                         "max_tokens=8",
+                        "eval_steps=0",
                     ]
                 )
             err = capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
-from conftest import TOY, recipe_cfg
+from conftest import TOY, recipe_cfg, small_run_args
 
 
 def start_long_run(tmp_path, tiny_model_dir, *overrides, script=("mt_grpo_trainer.py",)):
@@ -159,20 +159,8 @@ STOP_AT = ("rollout", "reward", "update", "logged", "saved")
 def two_saved_steps(tmp_path_factory, tiny_model_dir):
     """A run folder holding checkpoint-2 (saved by save_steps=2), for the runs that resume from it."""
     out = tmp_path_factory.mktemp("two") / "run"
-    M.train(M.load_config(TOY, [*signal_run_args(tiny_model_dir, out, 2), "max_steps=2"]))
+    M.train(M.load_config(TOY, [*small_run_args(tiny_model_dir, out, 2), "max_steps=2"]))
     return out
-
-
-def signal_run_args(tiny_model_dir, out, save_steps):
-    """The toy recipe on the tiny model, small steps, saved every `save_steps`."""
-    sizes = ["prompts_per_step=2", "num_generations=2", "max_tokens=8", "log_episodes_steps=0", "eval_steps=0"]
-    return [
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        f"output_dir={out}",
-        *sizes,
-        f"save_steps={save_steps}",
-    ]
 
 
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
@@ -245,7 +233,7 @@ def test_a_signal_at_any_point_saves_the_last_step_once_and_says_what_it_saved(
     monkeypatch.setattr(M.MetricsLogger, "log", log)
     capsys.readouterr()
     try:
-        cfg = M.load_config(TOY, [*signal_run_args(tiny_model_dir, out, save_steps), "max_steps=6"])
+        cfg = M.load_config(TOY, [*small_run_args(tiny_model_dir, out, save_steps), "max_steps=6"])
         if resumed:
             cfg.resume_from_checkpoint = "auto"
         hist = M.train(cfg)

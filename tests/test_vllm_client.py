@@ -482,6 +482,7 @@ def trainer_against(url, model_dir, tmp_path, *overrides, logs="server.log"):
             "max_steps=500",
             "save_steps=2",
             "request_deadline=1800",
+            "eval_steps=0",
             *overrides,
         ],
         stdout=subprocess.PIPE,

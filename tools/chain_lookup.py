@@ -28,8 +28,14 @@ def record(key: str, following: str) -> str:
     return f'"{key}" -> "{following}"'
 
 
+def follow(key: str, following: dict[str, str], colour: dict[str, str]) -> str:
+    """The result of looking `key` up in a table: the next key of its chain, or the chain's colour after its last
+    key (shared with tools/hop_lookup.py's tables)."""
+    if key not in following and key not in colour:
+        raise KeyError(f"no key {key!r}")
+    return record(key, following.get(key) or colour[key])
+
+
 def chain_lookup(key: str) -> str:
     """Look a key up: returns the next key of its chain, or the chain's colour after its last key."""
-    if key not in NEXT and key not in END:
-        raise KeyError(f"no key {key!r}")
-    return record(key, NEXT.get(key) or END[key])
+    return follow(key, NEXT, END)

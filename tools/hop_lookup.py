@@ -8,7 +8,12 @@ four letters, which the task's tokenizer holds as one token.
 The tables are built from a fixed seed, so the dataset, the tool and the rewards agree without sharing state.
 """
 
+import os
 import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.chain_lookup import follow, record  # noqa: E402,F401  (tasks/toy_hops.py takes record from here)
 
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
@@ -28,13 +33,6 @@ NEXT = {chain[j]: chain[j + 1] for chains in CHAINS.values() for chain in chains
 END = {chain[-1]: ANSWERS[chain[0]] for chains in CHAINS.values() for chain in chains}
 
 
-def record(key: str, following: str) -> str:
-    """A result: the key looked up and what follows it, the next key or the colour."""
-    return f'"{key}" -> "{following}"'
-
-
 def hop_lookup(key: str) -> str:
     """Look a key up: returns the next key of its chain, or the chain's colour after its last key."""
-    if key not in NEXT and key not in END:
-        raise KeyError(f"no key {key!r}")
-    return record(key, NEXT.get(key) or END[key])
+    return follow(key, NEXT, END)
