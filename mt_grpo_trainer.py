@@ -120,7 +120,8 @@ class Config:
     tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
     """Tool functions as `file.py:function`; the model calls each by its function name."""
     turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
-    """Turn-level reward functions (`file.py:function`). Per episode, a number (it scores the turns before the first tool result, and sits on the turn that called it) or a list with one number per assistant turn."""
+    """Turn-level reward functions (`file.py:function`). Per episode, a number (it scores the turns before the first
+    tool result, and sits on the turn that called it) or a list with one number per assistant turn."""
     turn_reward_weights: Annotated[list[float], "finite"] = field(default_factory=list)
     """Weights of `turn_reward_funcs` (empty = all 1.0)."""
     outcome_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:exact_answer_reward"])
@@ -130,11 +131,14 @@ class Config:
     reward_timeout: Annotated[float, "> 0"] = 300.0
     """Seconds one reward function call may run; past it the run stops with an error naming the function."""
     tool_format: Annotated[str, TOOL_FORMATS] = "xml"
-    """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling: JSON schemas, <tool_call>, role 'tool')."""
+    """A key of TOOL_FORMATS: xml (the paper's <tool>/<result> protocol) | native (the chat template's tool calling:
+    JSON schemas, <tool_call>, role 'tool')."""
     thinking_retention: Annotated[str, ("template", "tool_cycle", "all")] = "template"
-    """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep every past thinking block)."""
+    """template (the chat template decides) | tool_cycle (also keep thinking in the in-flight tool cycle) | all (keep
+    every past thinking block)."""
     thinking_compaction_turns: Annotated[int, ">= 0"] = 0
-    """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per N; 0 = never)."""
+    """With tool_cycle or all: every N turns, strip thinking older than the last N turns (extension breaks once per
+    N; 0 = never)."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3 without thinking."""
     tool_timeout: Annotated[float, "> 0"] = 30.0
@@ -142,16 +146,21 @@ class Config:
     tool_output_max_chars: Annotated[int, ">= 1"] = 8000
     """A tool result longer than this is cut (with a note saying so) before it is tokenized."""
     realign_max_tokens: Annotated[int, ">= 0"] = 16
-    """REALIGN: a fresh rendering that departs from the held text only in the last turn's sampled tail, past which at most this many sampled tokens hold nothing but whitespace or special tokens, turns them into context (mask 0) in the same sample instead of forking (0 = always fork)."""
+    """REALIGN: a fresh rendering that departs from the held text only in the last turn's sampled tail, past which at
+    most this many sampled tokens hold nothing but whitespace or special tokens, turns them into context (mask 0)
+    in the same sample instead of forking (0 = always fork)."""
     tokenization_check: Annotated[str, ("strict", "ignore_strippable", "off")] = "ignore_strippable"
-    """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run (whitespace-only ones pass under ignore_strippable)."""
+    """strict | ignore_strippable | off: compare each sample with a fresh rendering; a mismatch stops the run
+    (whitespace-only ones pass under ignore_strippable)."""
     # --- rollout
     prompts_per_step: Annotated[int, ">= 1"] = 8
     """Distinct prompts per step (P); each is rolled out `num_generations` times."""
     num_generations: Annotated[int, ">= 2"] = 8
-    """Episodes per prompt (G): the group that GRPO normalises rewards within; with branching, the leaves of its tree."""
+    """Episodes per prompt (G): the group that GRPO normalises rewards within; with branching, the leaves of its
+    tree."""
     branch_width: Annotated[int, "[1, 16]"] = 1
-    """Branching rollouts (advantage_mode tree): at each of an episode's first `branch_depth` tool results it goes on b ways from the same tokens, so G = roots x b^depth (1 = G independent episodes)."""
+    """Branching rollouts (advantage_mode tree): at each of an episode's first `branch_depth` tool results it goes on
+    b ways from the same tokens, so G = roots x b^depth (1 = G independent episodes)."""
     branch_depth: Annotated[int, "[1, 8]"] = 1
     """With branch_width > 1: how many tool results (the first ones of each path) branch."""
     max_env_steps: Annotated[int, ">= 0"] = 2
@@ -167,18 +176,24 @@ class Config:
     filter_zero_spread_groups: bool = False
     """DAPO's dynamic sampling: drop groups whose episodes all get zero advantage and roll out more prompts instead."""
     max_filter_draws: Annotated[int, ">= 0"] = 2
-    """With filter_zero_spread_groups: most extra rounds of prompts per step; after them zero-spread groups fill the step."""
+    """With filter_zero_spread_groups: most extra rounds of prompts per step; after them zero-spread groups fill the
+    step."""
     max_staleness: Annotated[int, "[0, 8]"] = 0
-    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the trainer updates, so a trained token is at most k weight versions old."""
+    """0 = strictly on-policy. k >= 1 (vLLM server only): a producer thread rolls out up to k steps ahead while the
+    trainer updates, so a trained token is at most k weight versions old."""
     # --- advantages
     advantage_mode: Annotated[str, ADVANTAGE_MODES] = "mt_grpo"
-    """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | mt_grpo_merged_fallback (the paper's code: GRPO-MR on episodes without a tool result) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR) | reward_to_go (per-turn rewards, prompt baseline) | tree (branching: sibling baselines, any number of turns)."""
+    """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | mt_grpo_merged_fallback (the paper's
+    code: GRPO-MR on episodes without a tool result) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR) |
+    reward_to_go (per-turn rewards, prompt baseline) | tree (branching: sibling baselines, any number of turns)."""
     turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
-    """The paper's modes (mt_grpo, grpo_*): divide group-centred rewards by the group std (False = centre only, as in Dr. GRPO)."""
+    """The paper's modes (mt_grpo, grpo_*): divide group-centred rewards by the group std (False = centre only, as in
+    Dr. GRPO)."""
     scale_returns: bool = False
-    """The per-turn modes (reward_to_go, tree): divide a group's advantages by the std of its returns (False = centre only: unbiased; docs/turn-credit.md measures what the division costs)."""
+    """The per-turn modes (reward_to_go, tree): divide a group's advantages by the std of its returns (False = centre
+    only: unbiased; docs/turn-credit.md measures what the division costs)."""
     # --- loss
     epsilon: Annotated[float, "[0, 1]"] = 0.2
     """PPO clip range below 1: ratios under 1 - epsilon are clipped."""
@@ -187,9 +202,11 @@ class Config:
     beta: Annotated[float, ">= 0"] = 0.0
     """KL coefficient to a frozen copy of the initial model (0 = no reference model is loaded)."""
     loss_aggregation: Annotated[str, LOSS_AGGREGATIONS] = "token_mean"
-    """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean over episodes of each episode's mean token loss: an episode weighs the same however many samples it forked into)."""
+    """A key of LOSS_AGGREGATIONS: token_mean (mean over every trained token in the batch) | sequence_mean (mean over
+    episodes of each episode's mean token loss: an episode weighs the same however many samples it forked into)."""
     mask_truncated_completions: bool = False
-    """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their group; with branching, only the node the cut path ended in)."""
+    """Leave episodes cut by max_tokens or the context budget out of the loss (their advantages still count in their
+    group; with branching, only the node the cut path ended in)."""
     num_iterations: Annotated[int, ">= 1"] = 1
     """Optimizer updates per rollout batch; above 1, old logprobs are recomputed before the first."""
     is_ratio_cap: Annotated[float, ">= 0"] = 2.0
@@ -210,21 +227,25 @@ class Config:
     max_steps: Annotated[int, ">= 1"] = 100
     """Training steps (one rollout batch each)."""
     micro_batch_size: Annotated[int, ">= 1"] = 16
-    """Without a token budget, a micro-batch holds this many times the longest sample's tokens; gradients accumulate over the batch."""
+    """Without a token budget, a micro-batch holds this many times the longest sample's tokens; gradients accumulate
+    over the batch."""
     max_tokens_per_microbatch: Annotated[int, ">= 0"] = 0
-    """Token budget of a forward/backward pass: packed rows (samples back to back, shared prefixes once) x the longest row (0 = `micro_batch_size` x the longest sample)."""
+    """Token budget of a forward/backward pass: packed rows (samples back to back, shared prefixes once) x the
+    longest row (0 = `micro_batch_size` x the longest sample)."""
     mixed_precision: Annotated[str, ("auto", "bf16", "no")] = "auto"
     """auto (bf16 autocast where the device supports it) | bf16 | no."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     lora_rank: Annotated[int, "[0, 512]"] = 0
-    """LoRA (peft) adapter rank; 0 = full fine-tuning. Only the adapters train, and only they are synced to vLLM and saved."""
+    """LoRA (peft) adapter rank; 0 = full fine-tuning. Only the adapters train, and only they are synced to vLLM and
+    saved."""
     lora_alpha: Annotated[float, "> 0"] = 16.0
     """LoRA scale: an adapter's update is multiplied by lora_alpha / lora_rank."""
     lora_dropout: Annotated[float, "[0, 1)"] = 0.0
     """Dropout on the adapters' input in training (0: the trainer scores the distribution the sampler sampled)."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Modules that get adapters, by name (q_proj, v_proj, ...), or all-linear: every linear layer but the output head."""
+    """Modules that get adapters, by name (q_proj, v_proj, ...), or all-linear: every linear layer but the output
+    head."""
     seed: Annotated[int, ">= 0"] = 0
     """Seed for data order, sampling and initialisation."""
     # --- evaluation
@@ -235,12 +256,15 @@ class Config:
     eval_max_examples: Annotated[int, ">= 0"] = 0
     """Evaluate on the first N rows of `eval_dataset` (0 = all)."""
     eval_temperature: Annotated[float, "[0, 2]"] = 0.0
-    """Sampling temperature of evaluation (0 = greedy). Above 0 the in-process sampler is seeded by `seed` and the step, so a rerun evaluates the same episodes, and one greedy episode a row is logged beside (eval/greedy_NAME)."""
+    """Sampling temperature of evaluation (0 = greedy). Above 0 the in-process sampler is seeded by `seed` and the
+    step, so a rerun evaluates the same episodes, and one greedy episode a row is logged beside
+    (eval/greedy_NAME)."""
     eval_samples: Annotated[int, ">= 1"] = 1
     """Episodes per eval row at `eval_temperature` (a greedy eval's are all the same)."""
     # --- scale: the vLLM server and several GPUs
     vllm_server_url: list[str] = field(default_factory=list)
-    """Sample from running `vllm serve` servers at these URLs, e.g. [http://10.0.0.7:8000, http://10.0.0.8:8000] (one may be written alone, several also comma-separated; [] = the in-process sampler)."""
+    """Sample from running `vllm serve` servers at these URLs, e.g. [http://10.0.0.7:8000, http://10.0.0.8:8000] (one
+    may be written alone, several also comma-separated; [] = the in-process sampler)."""
     max_concurrent_requests: Annotated[int, ">= 1"] = 256
     """Most completion requests one rank keeps in flight to its servers, all together."""
     request_timeout: Annotated[float, "> 0"] = 600.0
@@ -248,15 +272,18 @@ class Config:
     request_deadline: Annotated[float, "> 0"] = 1800.0
     """Seconds a request may take with all its retries (exponential backoff) before the run stops with an error."""
     weight_sync: Annotated[str, ("filesystem", "nccl")] = "filesystem"
-    """filesystem (safetensors + reload_weights) | nccl (vLLM's native weight-transfer endpoints; needs vllm on the trainer)."""
+    """filesystem (safetensors + reload_weights) | nccl (vLLM's native weight-transfer endpoints; needs vllm on the
+    trainer)."""
     weight_sync_dir: str = "/dev/shm/mt-grpo"
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
-    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
+    """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run
+    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
-    """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server that fails it is left at once while another is up)."""
+    """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server
+    that fails it is left at once while another is up)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state with FSDP2 instead of replicating them with DDP."""
     distributed_timeout: Annotated[float, "> 0"] = 1800.0
@@ -278,7 +305,8 @@ class Config:
     wandb_project: str = "mt-grpo"
     """wandb project name."""
     tool_collapse_alarm: Annotated[float, "[0, 1)"] = 0.5
-    """Warn (once, in the console and as alarm/tool_collapse) when the first turn's tool-call rate, averaged over `tool_collapse_steps` steps, falls below this fraction of its peak (0 = off); the run goes on."""
+    """Warn (once, in the console and as alarm/tool_collapse) when the first turn's tool-call rate, averaged over
+    `tool_collapse_steps` steps, falls below this fraction of its peak (0 = off); the run goes on."""
     tool_collapse_steps: Annotated[int, ">= 1"] = 5
     """Steps the tool-call rate is averaged over for the alarm."""
     log_episodes_steps: Annotated[int, ">= 0"] = 10
@@ -286,7 +314,8 @@ class Config:
     save_steps: Annotated[int, ">= 0"] = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     resume_from_checkpoint: str = ""
-    """'' (fresh run) | auto (the newest checkpoint in output_dir that verifies, if any) | PATH to a checkpoint folder."""
+    """'' (fresh run) | auto (the newest checkpoint in output_dir that verifies, if any) | PATH to a checkpoint
+    folder."""
 
 
 # === 2. Data types: what a rollout produces and the loss consumes ========================
@@ -371,8 +400,8 @@ class Episode:
     session: int = 0  # the sampler's key for it and its branches (a server keeps them on one server)
     turn_nodes: list[tuple] = field(default_factory=list)  # per assistant turn, the node that sampled it
     shared_tokens: int = 0  # sampled tokens it holds as context: the path it branched from trains them
-    raw: dict[int, str] = field(default_factory=dict)  # message index -> sampled text of that assistant turn
-    forced: str = ""  # text the generation prompt forced on the next turn
+    sampled_texts: dict[int, str] = field(default_factory=dict)  # message index -> the text its assistant turn sampled
+    forced_text: str = ""  # text the generation prompt forced on the next turn, before what it samples
     boundaries: list[dict] = field(default_factory=list)  # one per turn boundary: kind (tool|user), extends
     thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
@@ -411,23 +440,35 @@ def new_episode(row: dict, system_prompt: str, norm=lambda text: text) -> Episod
 # === 3. The method, as pure functions: rewards -> advantages -> per-token advantages -> loss ===
 
 
-def score(episodes: list[Episode], funcs, weights, timeout=Config.reward_timeout, stop_event=None, per_turn=False):
+def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=None, per_turn=False):
     """Weighted sum of reward functions `fn(completions, **dataset_columns) -> list`, one value per episode; each
     function's own value goes to ep.rewards (the reward/* metrics). Outcome functions give numbers. With `per_turn`
     (turn functions) each episode's sum is a list, one per assistant turn: a function may give a list too, which adds
     turn by turn, or a number, which scores the turns before the first tool result and sits on the turn that called
-    it (the last turn if none did). `call_reward` (appendix F) runs each one bounded by `timeout`, on its own copies,
-    and checks what it returns."""
+    it (the last turn if none did). `call_reward` (appendix F) runs each one bounded by `timeout` seconds, on its own
+    copies, and checks what it returns."""
     completions = [ep.completion for ep in episodes]
     columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
-    totals = [[0.0] * (max(len(ep.turns), 1) if per_turn else 1) for ep in episodes]
-    for fn, w in zip(funcs, weights):
-        for ep, total, v in zip(episodes, totals, call_reward(fn, completions, columns, timeout, stop_event, per_turn)):
-            ep.rewards[reward_name(fn)] = sum(v) if isinstance(v, list) else v
-            calling = max(0, (ep.first_result_turn or len(ep.turns)) - 1) if per_turn else 0  # see above
-            for k, x in enumerate(v) if isinstance(v, list) else [(calling, v)]:
-                total[k] += w * x
-    return totals if per_turn else [t[0] for t in totals]
+    if per_turn:
+        totals = [[0.0] * max(len(ep.turns), 1) for ep in episodes]
+    else:
+        totals = [[0.0] for _ in episodes]
+    for fn, weight in zip(funcs, weights):
+        values = call_reward(fn, completions, columns, timeout, stop_event, per_turn)
+        for ep, total, value in zip(episodes, totals, values):
+            ep.rewards[reward_name(fn)] = sum(value) if isinstance(value, list) else value
+            if isinstance(value, list):
+                per_turn_values = list(enumerate(value))
+            elif per_turn:
+                calling_turn = max(0, (ep.first_result_turn or len(ep.turns)) - 1)
+                per_turn_values = [(calling_turn, value)]
+            else:
+                per_turn_values = [(0, value)]
+            for turn, x in per_turn_values:
+                total[turn] += weight * x
+    if per_turn:
+        return totals
+    return [total[0] for total in totals]
 
 
 # --- advantages: one group's episodes and rewards -> one advantage per assistant turn -> per-token advantages
@@ -452,14 +493,20 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     return centred / (r.std(ddof=1) + 1e-4) if scale else centred
 
 
-def leave_one_out(values) -> np.ndarray:
-    """Each value minus the mean of the others: an unbiased baseline, as it does not depend on the value's own
-    trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n). No spread: exactly zero."""
+def mean_of_others(values) -> np.ndarray:
+    """For each value, the mean of the other values: an unbiased baseline, as it does not depend on the value's own
+    trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n). No spread: the values themselves,
+    so that each one's advantage is exactly zero."""
     v = np.asarray(values, dtype=np.float64)
     if not spread(v):
-        return np.zeros_like(v)
-    others = (v.sum() - v) / (len(v) - 1)
-    return v - others
+        return v
+    return (v.sum() - v) / (len(v) - 1)
+
+
+def leave_one_out(values) -> np.ndarray:
+    """Each value minus the mean of the others. No spread: exactly zero."""
+    v = np.asarray(values, dtype=np.float64)
+    return v - mean_of_others(v)
 
 
 def return_scale(turn_R, outcome_R, cfg: Config) -> float:
@@ -508,11 +555,13 @@ def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Con
     outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
     that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
-    base, scale = np.subtract(returns, leave_one_out(returns)), return_scale(turn_R, outcome_R, cfg)
-    return [
-        [float((sum(r[k:]) + o - b) / scale) for k in range(len(ep.turns))]
-        for ep, r, o, b in zip(episodes, turn_R, outcome_R, base)
-    ]
+    baselines = mean_of_others(returns)
+    scale = return_scale(turn_R, outcome_R, cfg)
+    advantages = []
+    for ep, rewards, outcome, baseline in zip(episodes, turn_R, outcome_R, baselines):
+        to_go = [sum(rewards[k:]) + outcome for k in range(len(ep.turns))]
+        advantages.append([float((g - baseline) / scale) for g in to_go])
+    return advantages
 
 
 def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -522,21 +571,29 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
     (leave-one-out: a baseline from the same state, unbiased however each path ends); every turn of a node, on every
     path through it, gets the node's advantage, divided by the group's return_scale. Without branching each episode is
     one node and this is GRPO-MR with a leave-one-out baseline."""
-    nodes = {}  # path -> [turn rewards per episode through it, its episodes' outcome if a leaf]
-    for ep, r, o in zip(episodes, turn_R, outcome_R):
-        for d in range(1, len(ep.node) + 1):
-            own = sum(x for x, n in zip(r, ep.turn_nodes) if n == ep.node[:d])
-            nodes.setdefault(ep.node[:d], [[], o if d == len(ep.node) else None])[0].append(own)
+    node_rewards = {}  # node (its path from the root) -> its turns' rewards, once per episode through it
+    leaf_outcome = {}  # leaf node -> its episode's outcome
+    for ep, rewards, outcome in zip(episodes, turn_R, outcome_R):
+        for depth in range(1, len(ep.node) + 1):
+            node = ep.node[:depth]
+            own = sum(x for x, n in zip(rewards, ep.turn_nodes) if n == node)
+            node_rewards.setdefault(node, []).append(own)
+        leaf_outcome[ep.node] = outcome
 
-    def q(path):  # a node's turns' rewards (the mean over its paths: a number may sit on any turn), then what follows
-        children = [p for p in nodes if len(p) == len(path) + 1 and p[:-1] == path]
-        rest = np.mean([q(c) for c in children]) if children else nodes[path][1]
-        return float(np.mean(nodes[path][0])) + rest
+    def q(node):  # a node's turns' rewards (the mean over its paths: a number may sit on any turn), then what follows
+        children = [c for c in node_rewards if len(c) == len(node) + 1 and c[:-1] == node]
+        if children:
+            rest = np.mean([q(c) for c in children])
+        else:
+            rest = leaf_outcome[node]
+        return float(np.mean(node_rewards[node])) + rest
 
-    values, advantage, scale = {p: q(p) for p in nodes}, {}, return_scale(turn_R, outcome_R, cfg)
-    for parent in {p[:-1] for p in nodes}:
-        siblings = [p for p in nodes if p[:-1] == parent]
-        advantage.update(zip(siblings, leave_one_out([values[p] for p in siblings]) / scale))
+    values = {node: q(node) for node in node_rewards}
+    scale = return_scale(turn_R, outcome_R, cfg)
+    advantage = {}
+    for parent in {node[:-1] for node in node_rewards}:
+        siblings = [node for node in node_rewards if node[:-1] == parent]
+        advantage.update(zip(siblings, leave_one_out([values[node] for node in siblings]) / scale))
     return [[float(advantage[n]) for n in ep.turn_nodes] for ep in episodes]
 
 
@@ -575,17 +632,24 @@ def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
 def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcome_R: list[float], cfg: Config):
     """The heart of the method: per group (the episodes of one prompt), then per token. Writes each episode's rewards
     and its per-turn advantages, and every sample's per-token advantages and loss weights."""
-    for _, members in itertools.groupby(zip(episodes, turn_R, outcome_R), key=lambda e: e[0].group):
-        group, trs, ors = map(list, zip(*members))
-        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, trs, ors, cfg)
+    groups = {}  # group id -> its episodes, with their turn rewards and outcomes
+    for ep, turn_rewards, outcome in zip(episodes, turn_R, outcome_R):
+        groups.setdefault(ep.group, []).append((ep, turn_rewards, outcome))
+    for members in groups.values():
+        group = [ep for ep, _, _ in members]
+        group_turn_R = [turn_rewards for _, turn_rewards, _ in members]
+        group_outcome_R = [outcome for _, _, outcome in members]
+        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, group_turn_R, group_outcome_R, cfg)
         if [len(a) for a in per_turn] != [len(ep.turns) for ep in group]:
             raise ConfigError(
                 f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
                 f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns"
             )
-        for ep, tr, orr, adv in zip(group, trs, ors, per_turn):
-            ep.turn_rewards, ep.turn_reward, ep.outcome_reward = tr[: len(ep.turns)], sum(tr), orr
-            ep.advantages = [float(a) for a in adv]
+        for (ep, turn_rewards, outcome), advantages in zip(members, per_turn):
+            ep.turn_rewards = turn_rewards[: len(ep.turns)]
+            ep.turn_reward = sum(turn_rewards)
+            ep.outcome_reward = outcome
+            ep.advantages = [float(a) for a in advantages]
             weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
             for s in ep.samples:
                 s.advantages = token_values(s.turn_idx, s.loss_mask, ep.advantages)
@@ -775,7 +839,8 @@ SESSIONS = itertools.count(1)  # every episode's sampler session, unique in this
 class MultiTurnToolEnv:
     """Rollouts with tools, and the token buffers that become samples (I1-I6): `next_prompt` grows a sample or forks
     one, `step` records a sampled turn, `run_tools` answers its calls. The chat template's side (rendering, the
-    held text, the fast path at tool boundaries, the episode-end check) is `ChatTemplate`, in the appendix."""
+    held text, the fast path at tool boundaries, the episode-end check) is `ChatTemplate`, in appendix G: method,
+    not plumbing, kept there for its length."""
 
     def __init__(self, tokenizer, tools, cfg: Config):
         self.cfg, self.tools = cfg, {fn.__name__: fn for fn in tools}
@@ -805,17 +870,24 @@ class MultiTurnToolEnv:
         rollout/forks). Text, not ids, is compared: a valid non-canonical tokenization of A0 never forks.
         REALIGN: had R1 only dropped A0's trailing "\\n" (Llama 3.1 trims content), A0's tokens up to it stay
         trained and R1's rest is appended as context: [P0][A0 but "\\n"][S1'], one sample (see `realign_point`)."""
-        chat, s = self.chat, ep.samples[-1] if ep.samples else None
-        text = (chat.bridge(ep, s) if s else None) or chat.render(ep.messages, ep.raw)
-        ep.forced = chat.forced_prefix(ep.messages, ep.raw, text) if self.cfg.thinking_retention != "template" else ""
+        chat = self.chat
+        s = ep.samples[-1] if ep.samples else None  # the sample this prompt grows, if any
+        bridged = chat.bridge(ep, s) if s else None  # the fast path at a tool boundary; None: render it all
+        text = bridged or chat.render(ep.messages, ep.sampled_texts)
+        if self.cfg.thinking_retention == "template":
+            ep.forced_text = ""
+        else:
+            ep.forced_text = chat.forced_prefix(ep.messages, ep.sampled_texts, text)
         if s:
-            boundary = "user" if any(map(chat.is_query, ep.messages[max(ep.raw, default=-1) + 1 :])) else "tool"
+            since_last_turn = ep.messages[max(ep.sampled_texts, default=-1) + 1 :]
+            boundary = "user" if any(map(chat.is_query, since_last_turn)) else "tool"
             extends = text.startswith(s.text)
             realign = None if extends else chat.realign_point(s, text)
             gone = sum(s.loss_mask[realign[0] :]) if realign else 0  # the last turn's sampled tokens REALIGN untrains
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
             if realign:
-                ep.realigns, ep.realigned_tokens = ep.realigns + 1, ep.realigned_tokens + gone
+                ep.realigns += 1
+                ep.realigned_tokens += gone
                 s.truncate(*realign)
             elif not extends:  # a fork: this sample closes
                 ep.forks += 1
@@ -825,7 +897,8 @@ class MultiTurnToolEnv:
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
         s.think_tokens += sum(len(chat.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
         chat.append(s, chat.enc(text[len(s.text) :]), mask=0)
-        s.prompt_chars, ep.thinking_tokens_kept = len(s.text), ep.thinking_tokens_kept + s.think_tokens
+        s.prompt_chars = len(s.text)
+        ep.thinking_tokens_kept += s.think_tokens
         return list(s.input_ids)
 
     def step(self, ep: Episode, c: Completion) -> list:
@@ -841,7 +914,7 @@ class MultiTurnToolEnv:
         if len(msg.get("tool_calls", ())) > 1 and chat.one_call_per_turn:  # the sampled text and one error result (I6)
             err = f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran"
             msg, calls = {"role": "assistant", "content": text}, [ValueError(err)]
-        ep.raw[len(ep.messages)] = ep.forced + text
+        ep.sampled_texts[len(ep.messages)] = ep.forced_text + text
         ep.messages.append(msg)
         s.n_messages = len(ep.messages)
         if c.finish_reason == "length":
@@ -880,20 +953,30 @@ class MultiTurnToolEnv:
                 futures.append(e)
         results = []
         for (ep, call), fut in zip(pending, futures):
-            try:
-                # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
-                # arrives while we wait is raised here, in the main thread, and stops the run.
-                err = fut if isinstance(fut, Exception) else self.pool.wait(fut, self.cfg.tool_timeout)
-            except concurrent.futures.TimeoutError:
-                err = TimeoutError(f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s")
-            out = None if err else fut.result()
-            if err or out is None:
+            if isinstance(fut, Exception):  # the call itself was wrong
+                error = fut
+            else:
+                try:
+                    # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
+                    # arrives while we wait is raised here, in the main thread, and stops the run.
+                    error = self.pool.wait(fut, self.cfg.tool_timeout)
+                except concurrent.futures.TimeoutError:
+                    error = TimeoutError(
+                        f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s"
+                    )
+            if error:
                 ep.tool_errors += 1
-                out = f"Error: {type(err).__name__}: {err}" if err else "Error: the tool returned None"
-            out, cap = str(out), self.cfg.tool_output_max_chars
-            out = out if len(out) <= cap else out[:cap] + f"\n... [cut: {len(out) - cap} more characters]"
-            clean = out.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be tokenized: '?'
-            ep.tool_output_replaced += sum(a != b for a, b in zip(out, clean))
+                text = f"Error: {type(error).__name__}: {error}"
+            elif fut.result() is None:
+                ep.tool_errors += 1
+                text = "Error: the tool returned None"
+            else:
+                text = str(fut.result())
+            cap = self.cfg.tool_output_max_chars
+            if len(text) > cap:
+                text = text[:cap] + f"\n... [cut: {len(text) - cap} more characters]"
+            clean = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be tokenized: '?'
+            ep.tool_output_replaced += sum(a != b for a, b in zip(text, clean))
             results.append(self.chat.norm(clean))
             ep.messages.append(self.fmt.result(results[-1]))
         return results
@@ -910,7 +993,6 @@ class MultiTurnToolEnv:
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
         evaluating = eval_temperature is not None
         temperature = eval_temperature if evaluating else self.cfg.temperature
-        knobs = (temperature, self.cfg.top_p, self.stop, generator)
         while active:
             prompts, budgets = [], []
             for ep in active:
@@ -922,8 +1004,15 @@ class MultiTurnToolEnv:
                     ep.done, ep.end_reason = True, "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
-                sessions = [active[i].session for i in live]
-                outs = sampler.generate([prompts[i] for i in live], [budgets[i] for i in live], *knobs, sessions)
+                outs = sampler.generate(
+                    [prompts[i] for i in live],
+                    [budgets[i] for i in live],
+                    temperature=temperature,
+                    top_p=self.cfg.top_p,
+                    stop=self.stop,
+                    generator=generator,
+                    sessions=[active[i].session for i in live],
+                )
                 pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
                 self.run_tools(pending)
                 if self.cfg.branch_width > 1 and not evaluating:  # at the first branch_depth tool results of each path
@@ -998,8 +1087,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     world = dist.get_world_size() if dist.is_initialized() else 1
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
     shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
-    weights = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, as many as their weight says
-    num_tokens, num_seqs = map(round, all_reduce(weights, sum(shares)))
+    weighted_tokens = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, each counted by its weight
+    num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -1011,8 +1100,18 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
             with gradient_sync(model, j == len(mbs) - 1):  # reduce over ranks once, after the last micro-batch
                 with autocast(cfg, device):
                     logp = packed_logprobs(model, mb, cfg.temperature)
-                args = (mb["sampler_logp"], mb["adv"], mb["mask"], cfg, num_tokens, num_seqs, mb["seq_tokens"])
-                loss, token_sums = grpo_loss(logp, mb.get("old", logp.detach()), *args, ref_logp=mb.get("ref"))
+                loss, token_sums = grpo_loss(
+                    logp,
+                    old_logp=mb.get("old", logp.detach()),
+                    sampler_logp=mb["sampler_logp"],
+                    adv=mb["adv"],
+                    mask=mb["mask"],
+                    cfg=cfg,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    seq_tokens=mb["seq_tokens"],
+                    ref_logp=mb.get("ref"),
+                )
                 (loss * world).backward()
             sums["loss/policy"] += loss.item() / cfg.num_iterations
             sums.update({k: v.item() / num_tokens / cfg.num_iterations for k, v in token_sums.items()})
@@ -1028,11 +1127,18 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
 # === 7. The training loop ================================================================
 
 
+def step_seed(seed: int, step: int, draw: int = 0, rank: int = 0) -> int:
+    """The seed of one step's prompt draw and sampling: a function of the run's seed, the step, the dynamic-sampling
+    redraw and the rank alone, so a resumed run draws as an unbroken one. Large primes keep the streams apart."""
+    return seed * 1_000_003 + step + 100_003 * rank + 7_919_993 * draw
+
+
 def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
     """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated roots_per_prompt times (G without
     branching). They depend only on (seed, step, draw), never on what ran before: a resumed run neither repeats nor
     skips a prompt."""
-    rng, P = random.Random(cfg.seed * 1_000_003 + step + 7_919_993 * draw), cfg.prompts_per_step
+    rng = random.Random(step_seed(cfg.seed, step, draw))
+    P = cfg.prompts_per_step
     picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)
     return [r for r in picked for _ in range(roots_per_prompt(cfg))]
 
@@ -1042,9 +1148,16 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     sampling) a group whose episodes all get zero advantage, which teaches nothing and dilutes the batch, is dropped
     and new prompts are rolled out in its place, for up to max_filter_draws more rounds; then the last round's
     dropped groups fill what is still missing (they add only the KL term)."""
-    cfg, roots, t0 = run.cfg, roots_per_prompt(run.cfg), time.time()
-    kept, flat, rows, drawn, extra = [], [], run.batch(step), [], 0
-    for draw in range(cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1):
+    cfg = run.cfg
+    roots = roots_per_prompt(cfg)
+    t0 = time.time()
+    rows = run.batch(step)
+    kept = []  # groups to train
+    no_spread = []  # the last round's groups that teach nothing (every advantage zero), when filtering
+    drawn = []  # the outcomes of every group rolled out, per group
+    extra = 0  # prompts drawn beyond the batch
+    draws = cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1
+    for draw in range(draws):
         # 1. rollout: whole groups (a prompt's episodes, or its tree's paths), every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
         # 2. reward: turn-level rewards (one per turn) and an outcome-level scalar per episode
@@ -1054,18 +1167,18 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         groups = [list(g) for _, g in itertools.groupby(episodes, key=lambda ep: ep.group)]
         drawn += [[ep.outcome_reward for ep in g] for g in groups]
-        flat = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
-        kept += [g for g in groups if not any(g is f for f in flat)]
+        no_spread = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
+        kept += [g for g in groups if not any(g is f for f in no_spread)]
         missing = len(run.batch(step)) // roots - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
         rows = run.batch(step, draw + 1)[: missing * roots]
         extra += missing
-    groups = kept + flat[:missing]
+    groups = kept + no_spread[:missing]
     for i, ep in ((i, ep) for i, g in enumerate(groups) for ep in g):
         ep.group = i  # the step's groups, numbered anew across draws
     m = {"time/rollout": time.time() - t0}
-    if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained: this every episode rolled out
+    if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained, this one every episode rolled out
         m.update({"rollout/groups_filtered": len(drawn) - len(kept), "rollout/extra_draws": extra})
         m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
     return [ep for g in groups for ep in g], m
@@ -1207,7 +1320,9 @@ def main(argv=None):
 
 
 # APPENDIX: plumbing ###################################################################################
-# Nothing below changes the method; read it when you change how a run is set up, logged, sampled, distributed or saved.
+# Nothing below changes the method but appendix G, the chat template's side of `next_prompt` (I4, I5: which tokens a
+# sample holds), kept there because it is long; read the rest when you change how a run is set up, logged, sampled,
+# distributed or saved.
 
 # === A. Run set-up: everything the loop needs, checked in order of cost ==================
 
@@ -1270,7 +1385,7 @@ class Run:
         return rows_for_step(self.rows, self.cfg, step, draw)[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def generator(self, step: int, draw: int = 0) -> torch.Generator:
-        seed = self.cfg.seed * 1_000_003 + step + 100_003 * self.rank + 7_919_993 * draw
+        seed = step_seed(self.cfg.seed, step, draw, self.rank)
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sync(self, version: int) -> dict:
@@ -2904,7 +3019,7 @@ def field_docs() -> dict[str, str]:
     """Field name -> the docstring written under it (read from this file's source)."""
     body = ast.parse(inspect.getsource(Config)).body[0].body
     return {
-        node.target.id: nxt.value.value
+        node.target.id: " ".join(nxt.value.value.split())  # as one line, however it is wrapped
         for node, nxt in zip(body, body[1:])
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
     }
@@ -3344,7 +3459,7 @@ def reward_pool() -> DaemonPool:
     return DaemonPool(1)
 
 
-# === G. The chat template: the text each prompt renders, and the text each sample holds ======================
+# === G. The chat template: the text each prompt renders, and the text each sample holds (the method: I4, I5) =====
 
 BRIDGE_CHECKS = 3  # an env's first bridged prompts, each compared with the full rendering (see ChatTemplate.bridge)
 
@@ -3396,48 +3511,50 @@ class ChatTemplate:
         """A user query: a user message that is not one of the tool format's results."""
         return m["role"] == "user" and not self.fmt.is_result(m)
 
-    def verbatim_turns(self, messages, raw: dict[int, str]) -> set[int]:
+    def verbatim_turns(self, messages, sampled_texts: dict[int, str]) -> set[int]:
         """Assistant messages whose sampled text (thinking included) is shown verbatim, per thinking_retention:
         template: none (the template decides); tool_cycle: those of the in-flight tool cycle (after the
         last user query, once a tool result is in it); all: every one."""
         mode = self.cfg.thinking_retention
         if mode == "all":
-            return set(raw)
+            return set(sampled_texts)
         if mode == "tool_cycle":
             last_query = max((i for i, m in enumerate(messages) if self.is_query(m)), default=-1)
             if any(map(self.fmt.is_result, messages[last_query + 1 :])):
-                return {i for i in raw if i > last_query}
+                return {i for i in sampled_texts if i > last_query}
         return set()
 
-    def render(self, messages, raw: dict[int, str], add_generation_prompt=True, verbatim: set | None = None) -> str:
+    def render(
+        self, messages, sampled_texts: dict[int, str], add_generation_prompt=True, verbatim: set | None = None
+    ) -> str:
         """The chat template's text for the conversation under thinking_retention (I5): turns kept verbatim are
         rendered as placeholders, then replaced by their sampled text. Compaction (every N turns) strips the thinking
-        of turns before the last multiple of N of the turns in `raw`."""
+        of turns before the last multiple of N of the turns in `sampled_texts`."""
         n = self.cfg.thinking_compaction_turns
-        compacted = set(sorted(raw)[: len(raw) // n * n if n else 0])
+        compacted = set(sorted(sampled_texts)[: len(sampled_texts) // n * n if n else 0])
         msgs = [
             {**m, "content": THINK_RE.sub("", m["content"])} if i in compacted else m for i, m in enumerate(messages)
         ]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
         final = set() if add_generation_prompt else {len(messages) - 1}
-        verbatim = self.verbatim_turns(messages, raw) if verbatim is None else verbatim
+        verbatim = self.verbatim_turns(messages, sampled_texts) if verbatim is None else verbatim
         holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
         text = self.apply(msgs, add_generation_prompt=add_generation_prompt)
         for i, h in holes.items():
             assert text.count(h) == 1, f"chat template did not render assistant message {i} exactly once"
-            text = text.replace(h, raw[i])
+            text = text.replace(h, sampled_texts[i])
         return self.norm(text)  # sampled text and tool docstrings may hold what the tokenizer normalises
 
-    def forced_prefix(self, messages, raw, prompt_text: str) -> str:
+    def forced_prefix(self, messages, sampled_texts, prompt_text: str) -> str:
         """Text the generation prompt adds beyond the template's history header for an assistant turn (Qwen3's
         `<think>\n\n</think>\n\n` with enable_thinking=false): part of the next turn, kept verbatim with it."""
-        verbatim = self.verbatim_turns(messages, raw)  # the probe's extra user message must not change it
-        base = self.render(messages, raw, False, verbatim=verbatim)
+        verbatim = self.verbatim_turns(messages, sampled_texts)  # the probe's extra user message must not change it
+        base = self.render(messages, sampled_texts, False, verbatim=verbatim)
         hole = "\u27e6mt-grpo next\u27e7"  # followed by a user message, so it is rendered as history
         probe = messages + [{"role": "assistant", "content": hole}, {"role": "user", "content": "."}]
-        probe = self.render(probe, raw, False, verbatim=verbatim)
+        probe = self.render(probe, sampled_texts, False, verbatim=verbatim)
         if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
             return ""
         gen, header = prompt_text[len(base) :], probe[len(base) : probe.index(hole)]
@@ -3458,7 +3575,7 @@ class ChatTemplate:
         Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
         thinking_retention other than template, and for good once it has differed from the full rendering on one
         of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
-        last = max(ep.raw)  # the sampled assistant message
+        last = max(ep.sampled_texts)  # the sampled assistant message
         new, cfg = ep.messages[last:], self.cfg
         if self.bridge_checks < 0 or cfg.thinking_retention != "template" or cfg.thinking_compaction_turns:
             return None
@@ -3474,7 +3591,7 @@ class ChatTemplate:
         start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
         text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:
-            self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.raw) else -1
+            self.bridge_checks = self.bridge_checks + 1 if text == self.render(ep.messages, ep.sampled_texts) else -1
         return text if self.bridge_checks >= 0 else None
 
     def realign_point(self, s: Sample, text: str) -> tuple[int, str] | None:
@@ -3509,7 +3626,7 @@ class ChatTemplate:
                 continue
             last = s.n_messages - 1  # the sample's last assistant message
             held = self.dec(s.input_ids[: s.last_prompt_len])
-            fresh = self.render(ep.messages[:last], {i: r for i, r in ep.raw.items() if i < last})
+            fresh = self.render(ep.messages[:last], {i: r for i, r in ep.sampled_texts.items() if i < last})
             if fresh == held:
                 continue
             found += 1

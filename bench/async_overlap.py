@@ -5,8 +5,9 @@
     .venv/bin/python bench/async_overlap.py --part learning --seeds 0 1 2 --steps 60
     .venv/bin/python bench/async_overlap.py --part filter --seeds 0 1 2 --steps 60
 
-- speed: the stand-in server (tests/vllm_standin.py) with a fixed per-request latency, calibrated so that one
-  step's rollouts take about as long as its update (train + weight sync) where latency can do that. Steps per
+- speed: the stand-in server (tests/vllm_standin.py), calibrated so that one step's rollouts take about as long as
+  its update (train + weight sync): a fixed per-request latency where the update is the longer, more optimizer passes
+  over each batch (num_iterations) where the rollout is. Steps per
   second at max_staleness 0, 1 and 2, twice: with the stand-in and the trainer sharing the cores (they compete),
   and split, one core each (as a server on its own hardware). The last line is the ratio of 1 to 0, split.
 - learning: the real vLLM CPU build (one `bash run.sh serve`, each run joining it with --server-url), max_staleness
@@ -49,7 +50,7 @@ def train(out, *overrides, server=None, core=None):
     cmd = [*prefix, "bash", "run.sh", RECIPE, *(["--server-url", server] if server else [])]
     env = {"MTGRPO_LAYOUT": "server" if server else "local", **threads}
     t = time.time()
-    args = [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", *overrides]
+    args = [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", "eval_steps=0", *overrides]
     with started(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         stdout, stderr = p.communicate()
     if p.returncode:
@@ -167,12 +168,19 @@ def speed(a, model, split):
                 os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1]
             )
     mean = lambda h, k: float(np.mean([m[k] for m in h[1:]]))
-    rounds = (mean(cal[0.2], "time/rollout") - mean(cal[0.0], "time/rollout")) / 0.2
-    update = mean(cal[0.0], "time/train") + mean(cal[0.0], "time/weight_sync")
-    latency = max(0.0, (update - mean(cal[0.0], "time/rollout")) / max(rounds, 1.0))
+    rollout = mean(cal[0.0], "time/rollout")
+    rounds = (mean(cal[0.2], "time/rollout") - rollout) / 0.2
+    train_s = mean(cal[0.0], "time/train")
+    sync_s = mean(cal[0.0], "time/weight_sync")
+    # The two sides are balanced by slowing the faster one: rollouts by a per-request latency, or the update by more
+    # optimizer passes over the batch (num_iterations), which trains more per step but syncs and rolls out the same.
+    iterations = max(1, round((rollout - sync_s) / train_s))
+    update = iterations * train_s + sync_s
+    latency = max(0.0, (update - rollout) / max(rounds, 1.0))
     print(
-        f"calibration: update {update:.2f} s, rollout {mean(cal[0.0], 'time/rollout'):.2f} s at no latency, "
-        f"{rounds:.1f} request rounds per step -> latency {latency:.3f} s per request",
+        f"calibration: update {train_s + sync_s:.2f} s, rollout {rollout:.2f} s at no latency, "
+        f"{rounds:.1f} request rounds per step -> num_iterations {iterations} (update about {update:.2f} s), "
+        f"latency {latency:.3f} s per request",
         flush=True,
     )
     rows = {}
@@ -184,6 +192,7 @@ def speed(a, model, split):
                 f"max_steps={a.steps}",
                 f"max_staleness={k}",
                 f"seed={a.seeds[0]}",
+                f"num_iterations={iterations}",
                 server=url,
                 core=cores[1],
             )

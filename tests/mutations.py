@@ -50,8 +50,8 @@ MUTATIONS = [
     ),
     Mutation(
         "loss mask shifted by one token",
-        "pad([s.weights or s.loss_mask for s in samples], 0.0)",
-        "pad([[0] + (s.weights or s.loss_mask)[:-1] for s in samples], 0.0)",
+        "pad([s.weights or s.loss_mask for s in in_batch], 0.0, T)",
+        "pad([[0] + (s.weights or s.loss_mask)[:-1] for s in in_batch], 0.0, T)",
         ["tests/test_loss.py"],
     ),
     Mutation(
@@ -68,8 +68,8 @@ MUTATIONS = [
     ),
     Mutation(
         "advantage sign flipped",
-        '"adv": pad([s.advantages for s in samples], 0.0),',
-        '"adv": pad([[-a for a in s.advantages] for s in samples], 0.0),',
+        '"adv": pad([s.advantages for s in in_batch], 0.0, T),',
+        '"adv": pad([[-a for a in s.advantages] for s in in_batch], 0.0, T),',
         ["tests/test_loss.py"],
     ),
     Mutation(
@@ -98,14 +98,14 @@ MUTATIONS = [
     ),
     Mutation(
         "node weights ignored in the loss mask",
-        "pad([s.weights or s.loss_mask for s in samples], 0.0)",
-        "pad([s.loss_mask for s in samples], 0.0)",
+        "pad([s.weights or s.loss_mask for s in in_batch], 0.0, T)",
+        "pad([s.loss_mask for s in in_batch], 0.0, T)",
         ["tests/test_loss.py", "tests/test_turn_credit.py", "-k", "not server and not resumes_exactly"],
     ),
     Mutation(
         "node weights ignored in the token count",
-        "weights = sum(sum(s.weights or s.loss_mask) for s in samples)",
-        "weights = sum(sum(s.loss_mask) for s in samples)",
+        "weighted_tokens = sum(sum(s.weights or s.loss_mask) for s in samples)",
+        "weighted_tokens = sum(sum(s.loss_mask) for s in samples)",
         ["tests/test_loss.py", "tests/test_turn_credit.py", "-k", "not server and not resumes_exactly"],
     ),
     Mutation(

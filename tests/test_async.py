@@ -323,8 +323,8 @@ def test_max_staleness_0_is_the_plain_sequential_loop_step_for_step(tmp_path, ti
     by_hand = []
     for step in range(3):
         eps = run.env.rollout(run.batch(step), run.sampler, run.generator(step))
-        turn_R = M.score(eps, run.turn_fns, run.turn_w, per_turn=True)
-        M.assign_advantages(eps, turn_R, M.score(eps, run.outcome_fns, run.outcome_w), run.cfg)
+        turn_R = M.score(eps, run.turn_fns, run.turn_w, run.cfg.reward_timeout, per_turn=True)
+        M.assign_advantages(eps, turn_R, M.score(eps, run.outcome_fns, run.outcome_w, run.cfg.reward_timeout), run.cfg)
         samples, _ = M.trainable_samples(eps, run.cfg)
         m = M.train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, run.cfg, run.pad_id)
         by_hand.append({**m, **M.episode_metrics(eps)})

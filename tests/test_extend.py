@@ -139,8 +139,10 @@ def test_a_registered_tool_format_owns_what_its_results_look_like(tok, tmp_path,
     assert len(ep.samples) == 1 and ep.first_result_turn == 1
     assert env.chat.bridge_checks == 2, "both tool boundaries' prompts were bridged (and equal to the full rendering)"
     cfg.thinking_retention = "tool_cycle"
-    assert env.chat.verbatim_turns(ep.messages, ep.raw) == set(ep.raw), "the three turns are one tool cycle"
-    assert env.chat.verbatim_turns(ep.messages + [{"role": "user", "content": "And?"}], ep.raw) == set()
+    assert env.chat.verbatim_turns(ep.messages, ep.sampled_texts) == set(ep.sampled_texts), (
+        "the three turns are one tool cycle"
+    )
+    assert env.chat.verbatim_turns(ep.messages + [{"role": "user", "content": "And?"}], ep.sampled_texts) == set()
     # check-template scripts the format with its own call_text and answer_text
     r = CT.check_template(tok, "tool_cycle", "bracket")
     assert [b["kind"] for b in r["boundaries"]] == ["tool", "tool", "user", "tool"] * 2 and r["violations"] == []

@@ -89,8 +89,8 @@ def test_a_dataset_without_the_columns_a_reward_needs_is_named(tmp_path, capsys)
 def test_rewards_must_be_real_numbers(tmp_path):
     eps = [M.new_episode({"prompt": "q"}, "") for _ in range(4)]
     ok = lambda completions, **_: [1, 0.5, np.float32(0.25), torch.tensor(True)]
-    assert M.score(eps, [ok], [1.0]) == [1.0, 0.5, 0.25, 1.0]
-    assert M.score(eps, [lambda completions, **_: [np.bool_(True), np.int64(2), False, 3]], [1.0]) == [
+    assert M.score(eps, [ok], [1.0], 60) == [1.0, 0.5, 0.25, 1.0]
+    assert M.score(eps, [lambda completions, **_: [np.bool_(True), np.int64(2), False, 3]], [1.0], 60) == [
         1.0,
         2.0,
         0.0,
@@ -98,7 +98,7 @@ def test_rewards_must_be_real_numbers(tmp_path):
     ]
     for junk in ("1.0", None, torch.tensor([1.0, 2.0]), [1.0]):
         with pytest.raises(M.RewardError, match="not a number but a"):
-            M.score(eps, [lambda completions, **_: [junk] * 4], [1.0])
+            M.score(eps, [lambda completions, **_: [junk] * 4], [1.0], 60)
 
 
 def test_a_reward_function_that_edits_what_it_is_given_changes_nothing_else():
@@ -119,7 +119,7 @@ def test_a_reward_function_that_edits_what_it_is_given_changes_nothing_else():
         seen.append((completions, columns))
         return [1.0, 1.0]
 
-    assert M.score(eps, [vandal, witness], [1.0, 1.0]) == [1.0, 1.0]
+    assert M.score(eps, [vandal, witness], [1.0, 1.0], 60) == [1.0, 1.0]
     assert [(ep.messages, ep.row) for ep in eps] == before, "what episodes.jsonl records is what was sampled"
     done = [{"role": "assistant", "content": "<answer>v</answer>"}]
     assert seen == [([done, done], {"prompt": ["q", "q"], "answer": ["v", "v"], "aliases": [["v", "w"], ["v", "w"]]})]

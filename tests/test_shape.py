@@ -19,6 +19,7 @@ FEATURE_TOKENS = {
     "a sync check that judges the slope of the server's change on the trainer's, one probe a sync (issues 32, 38)": 209,
     "packed rows with shared prefixes merged into a trie, trie attention on the CPU and FlexAttention on a GPU (issue 36)": 1_292,
     "sampled, seeded evaluation (eval_temperature, eval_samples) and an evaluation at step 0 (issues 33, 34)": 259,
+    "the method's read path one idea per line: named groups and values, keyword calls, one step seed, wrapped key docstrings (issue 35)": 140,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
@@ -82,3 +83,12 @@ def test_the_file_stands_alone():
         assert re.search(rf"^  I{i} \w", header, re.M), f"the header does not define I{i}"
     assert "../shared" not in SOURCE and "DESIGN.md" not in SOURCE and "STYLE.md" not in SOURCE
     assert "Worked example" in M.MultiTurnToolEnv.next_prompt.__doc__
+
+
+def test_every_mutation_names_code_that_is_there():
+    """tests/mutations.py's snippets follow the code: one that moved would be reported stale only when it is run."""
+    from tests.mutations import MUTATIONS, ROOT
+
+    for m in MUTATIONS:
+        with open(f"{ROOT}/{m.file}") as f:
+            assert f.read().count(m.old) == 1, f"mutation {m.name!r}: its snippet is not in {m.file} exactly once"

@@ -134,9 +134,9 @@ def test_the_execution_reward_per_turn_credits_each_turn_for_its_own_calls():
         ep = M.Episode(row={"prompt": "q"}, messages=msgs, n_prompt_messages=1, turns=[M.Turn(0, 1)] * n_turns)
         ep.first_result_turn = 1 if n_turns > 1 else None
         eps.append(ep)
-    number = M.score(eps, [R.tool_execution_reward_func], [1.0], per_turn=True)
+    number = M.score(eps, [R.tool_execution_reward_func], [1.0], 60, per_turn=True)
     assert number == [[pytest.approx(0.1), 0.0, 0.0], [pytest.approx(0.1), 0.0, 0.0], [0.0]], "on the first call"
-    assert M.score(eps, [R.tool_execution_turn_reward], [1.0], per_turn=True) == per_turn
+    assert M.score(eps, [R.tool_execution_turn_reward], [1.0], 60, per_turn=True) == per_turn
 
 
 def test_the_search_reward_reads_the_first_result_only():
@@ -242,7 +242,7 @@ def test_rewards_plug_into_the_trainers_score():
         M.Episode(row=row, messages=[{"role": "user", "content": row["prompt"]}, answer(a)], n_prompt_messages=1)
         for a in ["Chicago Bears", "the Bears", "New England Patriots"]
     ]
-    assert M.score(eps, funcs, [1.0] * 4) == pytest.approx([1.9, 1.9, 0.4])
+    assert M.score(eps, funcs, [1.0] * 4, 60) == pytest.approx([1.9, 1.9, 0.4])
     assert eps[0].rewards["exact_match_reward_func"] == 1.0
 
 

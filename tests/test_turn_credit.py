@@ -50,14 +50,14 @@ def by_episode(completions, **_):
 
 def test_a_turn_reward_scores_every_turn_or_the_turns_before_the_first_result():
     eps = [episode(3, first_result=1), episode(1), episode(2, first_result=1)]
-    totals = M.score(eps, [half_a_turn, by_episode], [2.0, 1.0], per_turn=True)
+    totals = M.score(eps, [half_a_turn, by_episode], [2.0, 1.0], 60, per_turn=True)
     # a list adds turn by turn; a number sits on the turn that called the first tool (the last turn if none did)
     assert totals == [[2.0, 1.0, 1.0], [3.0], [4.0, 1.0]]
     assert eps[0].rewards == {"half_a_turn": 1.5, "by_episode": 1.0}, "the reward/* metrics: an episode's sum"
     with pytest.raises(M.RewardError, match=r"returned 2 values for episode 0, which has 3 assistant turns"):
-        M.score(eps, [lambda completions, **_: [[1.0, 1.0]] * 3], [1.0], per_turn=True)
+        M.score(eps, [lambda completions, **_: [[1.0, 1.0]] * 3], [1.0], 60, per_turn=True)
     with pytest.raises(M.RewardError, match=r"not a number but a list"):  # outcome rewards are one number an episode
-        M.score(eps, [lambda completions, **_: [[1.0]] * 3], [1.0])
+        M.score(eps, [lambda completions, **_: [[1.0]] * 3], [1.0], 60)
 
 
 def test_episode_level_turn_rewards_give_todays_advantages_exactly():
@@ -65,7 +65,7 @@ def test_episode_level_turn_rewards_give_todays_advantages_exactly():
     numbers: the sum of an episode's per-turn rewards is that number, bit for bit."""
     eps = [episode(2, 1), episode(3, 1), episode(1), episode(1, 1)]
     values = [0.1, 0.25, 0.35, 0.0]
-    turn_R = M.score(eps, [lambda completions, **_: values], [0.7], per_turn=True)
+    turn_R = M.score(eps, [lambda completions, **_: values], [0.7], 60, per_turn=True)
     assert [sum(r) for r in turn_R] == [0.7 * v for v in values]
     cfg = M.Config(turn_advantage_coef=0.5)
     out = [1.0, 0.0, 1.0, 0.0]
