@@ -553,7 +553,10 @@ def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Conf
 def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """Per-turn rewards without branching: turn k gets its reward-to-go (its own and later turns' rewards, and the
     outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
-    that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it."""
+    that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it. But that
+    baseline holds the rewards the others earned before the turn, so a late turn's advantage is offset down by them:
+    on the 3-hop task (docs/turn-credit.md) the answer turn's mean advantage was -1.1 and the agent stopped answering.
+    With turn rewards that are large next to the outcome, branch (`tree`: its siblings are the turn's own state)."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
     baselines = mean_of_others(returns)
     scale = return_scale(turn_R, outcome_R, cfg)
