@@ -175,12 +175,14 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
         "max_steps=6",
     ]
     hist = M.train(recipe_cfg(tmp_path, *common, "max_staleness=1", f"output_dir={tmp_path}/synced"))
-    assert hist[0]["sync/probe_change"] < hist[0]["sync/probe_logprob_diff"], "one step: less than the bf16 gap"
     for m in hist:
         print({k: round(v, 5) for k, v in m.items() if k.startswith("sync/")})
         assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff
         assert abs(m.get("sync/probe_follow", 1) - 1) < 0.5, "where judged, the server's moved as the trainer's did"
-    assert any("sync/probe_follow" in m for m in hist), "judged once the change since the last judged is twice the gap"
+    # The server samples unseeded (its probe texts, every step's batch), so one step's change varies from run to run
+    # (0.003-0.006 against a gap of about 0.0055): what is asserted is that both paths ran, not a step's size.
+    assert any("sync/probe_follow" not in m for m in hist), "a sync too small to judge: its change adds up"
+    assert any("sync/probe_follow" in m for m in hist), "judged once the change since the last judged is large enough"
     # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
     skip_after_step_0 = M.VLLMServerClient.sync_weights
     monkeypatch.setattr(
