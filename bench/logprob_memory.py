@@ -26,6 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/test_logprobs.py imports its conftest, as pytest runs it
 import mt_grpo_trainer as M  # noqa: E402
 from tests.test_logprobs import direct_logprobs  # noqa: E402   the baseline: the direct computation
 
@@ -53,6 +54,19 @@ def cpu_peak_mb(step):
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
     )
     return max(itertools.accumulate((e.nbytes() for e in events), initial=0)) / 2**20
+
+
+def peak_mb(step, device: torch.device) -> float:
+    """The most memory step() holds at once beyond what was allocated before it: cpu_peak_mb on the CPU, the CUDA
+    allocator's peak on a GPU."""
+    if device.type != "cuda":
+        return cpu_peak_mb(step)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def loss_step(model, fn, batch: dict, cfg, device):
@@ -83,17 +97,7 @@ def one_case(variant, T, B, layers, precision):
     )
     fn = direct_logprobs if variant == "before" else M.token_logprobs
 
-    def step():
-        loss_step(model, fn, batch, cfg, device)
-
-    if device.type != "cuda":
-        return cpu_peak_mb(step)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_mb(lambda: loss_step(model, fn, batch, cfg, device), device)
 
 
 def run_case(*args):

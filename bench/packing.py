@@ -20,7 +20,7 @@ recipe's micro-batching (micro_batch_size 64; the last two cases max_tokens_per_
 baseline is the trainer's micro-batching before issue 36 (collate, make_microbatches by the token budget,
 prepare_microbatches, token_logprobs over [B, T] padded rows), kept in this file only. Time: the median of --repeats
 steps of each, alternating, after a warm-up step of each. Peak memory: the most tensor memory live at once during a
-step (bench/logprob_memory.py's cpu_peak_mb, from the profiler's allocation events; torch.cuda.max_memory_allocated on
+step (bench/logprob_memory.py's peak_mb: from the profiler's allocation events; torch.cuda.max_memory_allocated on
 a GPU). Both paths' loss/policy are printed: they must agree to float rounding. "distinct (trie)" counts the tokens
 the packed rows hold, each distinct prefix once: processed/trained can go no lower than distinct/trained, since
 prompt and tool-result tokens are read but never trained (and below 1 where episodes repeat each other exactly).
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # bench/logprob_memory.py imports its baseline from the tests
 os.chdir(ROOT)  # recipes name their plug-ins from the project folder
 import mt_grpo_trainer as M  # noqa: E402
-from logprob_memory import cpu_peak_mb  # noqa: E402
+from logprob_memory import peak_mb  # noqa: E402
 from turn_credit import METHODS  # noqa: E402
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
@@ -159,17 +159,6 @@ def step(run, samples, cfg) -> dict:
     return M.train_on_samples(run.policy, run.ref_model, opt, sched, samples, cfg, run.pad_id)
 
 
-def peak_mb(fn) -> float:
-    if not torch.cuda.is_available():
-        return cpu_peak_mb(fn)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def measure(run, samples, cfg, repeats: int) -> dict:
     """Both paths on the same samples: processed tokens, the median step time, the peak memory, loss/policy."""
     paths = {"packed": contextlib.nullcontext, "padded": padded}
@@ -180,7 +169,7 @@ def measure(run, samples, cfg, repeats: int) -> dict:
             out[name]["processed"] = m["train/processed_tokens"]
             out[name]["held"] = out[name]["processed"] * m.get("train/row_fill", 1.0)
             out[name]["loss"] = m["loss/policy"]
-            out[name]["peak_mb"] = peak_mb(lambda: step(run, samples, cfg))
+            out[name]["peak_mb"] = peak_mb(lambda: step(run, samples, cfg), run.device)
     for _ in range(repeats):
         for name, path in paths.items():
             with path():
