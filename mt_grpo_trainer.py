@@ -89,6 +89,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Annotated
 
+import filelock
 import numpy as np
 import requests
 import torch
@@ -1739,9 +1740,25 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
 
 def build_model_if_missing(cfg: Config, say):
     """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path and print the builder's report
-    (a model built by an earlier run is not reported again)."""
+    (a model built by an earlier run is not reported again). Runs started together (a sweep, several trainers on one
+    disk) build it once: the lock beside the folder makes the others wait, then use it."""
     if os.path.exists(cfg.model_name_or_path) or not cfg.model_builder:
         return
+    lock = filelock.FileLock(cfg.model_name_or_path.rstrip("/") + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        say(f"[mt-grpo] another run is building {cfg.model_name_or_path}: waiting for it ...")
+        lock.acquire()
+    try:
+        if not os.path.exists(cfg.model_name_or_path):  # the run that held the lock built it
+            build_model(cfg, say)
+    finally:
+        lock.release()
+
+
+def build_model(cfg: Config, say):
+    """model_builder into a temp folder, renamed to model_name_or_path when it returns: all of it or nothing."""
     system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
     say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
     tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
@@ -1793,7 +1810,7 @@ def load_models(cfg: Config, src: str, device: torch.device):
 def packed_attention(device: torch.device) -> str:
     """The attention that packed rows need: FlexAttention on a GPU, elsewhere `trie_attention` (registered here),
     which is SDPA for every call but the packed train step's."""
-    if device.type == "cuda":
+    if device.type in FLEX_DEVICES:
         return "flex_attention"
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -2672,6 +2689,7 @@ def full_state(model, optimizer=None, fsdp: bool = False):
 
 
 PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
+FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
 
 def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
@@ -2716,7 +2734,7 @@ def attention_mask(end: torch.Tensor, segments: list[tuple]):
     that see nothing); elsewhere `trie_attention` runs each sample's span against its path (`segments`), and the mask
     is a placeholder of the 4D shape that transformers passes through to it as given."""
     R, L = end.shape
-    if end.device.type == "cuda":
+    if end.device.type in FLEX_DEVICES:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def ancestor(b, h, q, k):

@@ -178,6 +178,12 @@ MUTATIONS = [
         "if False:",
         ["tests/test_signals.py", "-k", "reward_function_hangs"],
     ),
+    Mutation(
+        "the GPU's block mask is causal over the whole row, not over a token's ancestors",
+        "            return (k <= q) & (q <= end[b, k])",
+        "            return k <= q",
+        ["tests/test_packing.py", "-k", "block_mask"],
+    ),
 ]
 
 

@@ -174,6 +174,24 @@ def test_very_different_lengths_and_a_group_that_shares_nothing_are_exact(autoca
     assert assert_exact(model, random_group(97, [30, 9, 64, 2], shared=0), autocast) == 0
 
 
+def test_the_gpu_block_mask_gives_each_samples_own_logprobs(monkeypatch):
+    """A GPU trains packed rows through FlexAttention's block mask, not trie_attention. Its forward runs on the CPU
+    too (compiled; its backward does not), so the mask and transformers' handling of it are checked here: the
+    packed logprobs of a tree-like group against each sample alone through SDPA."""
+    samples = random_group(97, [3, 250, 7, 120, 40], shared=20)
+    reference = small_qwen3(97)
+    monkeypatch.setattr(M, "FLEX_DEVICES", {"cpu", "cuda"})
+    model = small_qwen3(97)
+    assert model.config._attn_implementation == "flex_attention"
+    model.load_state_dict(reference.state_dict())
+    assert not hasattr(M.collate(M.pack_rows(samples, 10**9), samples, 0, CPU)["attn"], "trie_segments")
+    with torch.no_grad():
+        got = packed(model, samples)
+        want = alone(reference, samples)
+    for lp, ref, s in zip(got, want, samples):
+        torch.testing.assert_close(lp * (torch.tensor(s.weights) != 0), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_trie_holds_each_shared_prefix_once_and_a_token_sees_exactly_its_ancestors():
     """Identical samples, a sample that is a prefix of another, siblings whose next tokens differ: each token of a
     row stands for a prefix of token ids; its position is that prefix's depth, and it sees the tokens of that prefix."""

@@ -20,6 +20,7 @@ FEATURE_TOKENS = {
     "packed rows with shared prefixes merged into a trie, trie attention on the CPU and FlexAttention on a GPU (issue 36)": 1_292,
     "sampled, seeded evaluation (eval_temperature, eval_samples) and an evaluation at step 0 (issues 33, 34)": 259,
     "the method's read path one idea per line: named groups and values, keyword calls, one step seed, wrapped key docstrings (issue 35)": 140,
+    "runs started together build a missing model once (a lock beside it), one place that says which devices use FlexAttention": 86,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -133,6 +134,42 @@ def test_a_missing_model_is_built_whole_or_not_at_all(tmp_path, capsys, monkeypa
     M.build_model_if_missing(cfg, print)
     assert sorted(os.listdir(model)) == ["build_report.json"] and not (tmp_path / "model.tmp").exists()
     assert "model built by builder.py: 7 params; prompt 'Tools'" in capsys.readouterr().out
+
+
+def test_runs_started_together_build_a_missing_model_once(tmp_path):
+    """Two trainers on one missing model (a sweep): the second to come says it waits while the first builds, then
+    finds the model built; neither builds into the other's temp folder."""
+    (tmp_path / "builder.py").write_text(
+        "import os, time\n"
+        "def build(path, system_prompt):\n"
+        "    open(os.path.join(os.path.dirname(path), f'built-by-{os.getpid()}'), 'w').close()\n"
+        "    go = os.path.join(os.path.dirname(path), 'go')\n"
+        "    for _ in range(300):\n"
+        "        if os.path.exists(go):\n"
+        "            break\n"
+        "        time.sleep(0.1)\n"
+        "    open(os.path.join(path, 'weights'), 'w').close()\n"
+    )
+    overrides = [f"model_name_or_path={tmp_path}/model", f"model_builder={tmp_path}/builder.py:build"]
+    script = f"import mt_grpo_trainer as M\nM.build_model_if_missing(M.load_config(None, {overrides!r}), print)\n"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    first = subprocess.Popen([sys.executable, "-u", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("built-by-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = subprocess.Popen([sys.executable, "-u", "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    waited = ""
+    for line in second.stdout:  # ends at the second's exit, if it never waits (the builder gives up after 30 s)
+        if "another run is building" in line:
+            waited = line
+            break
+    (tmp_path / "go").touch()
+    outs = [p.communicate(timeout=120)[0] for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0]
+    assert waited, f"the second run did not wait for the first: {outs[1]}"
+    assert len(list(tmp_path.glob("built-by-*"))) == 1, "the model was built once"
+    assert os.listdir(tmp_path / "model") == ["weights"] and not (tmp_path / "model.tmp").exists()
+    assert "building" not in outs[1], "the second run does not say it builds"
 
 
 def test_wandb_offline(tmp_path, tiny_model_dir, monkeypatch):
