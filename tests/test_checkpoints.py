@@ -26,17 +26,15 @@ from test_env import ScriptedSampler, tool_call
 from test_train import run_cfg
 
 
+def one_small_step(tiny_model_dir) -> list[str]:
+    """The toy recipe's overrides for one small step of the tiny model."""
+    sizes = ["prompts_per_step=2", "num_generations=2", "max_tokens=8"]
+    return [f"model_name_or_path={tiny_model_dir}", "model_builder=", "max_steps=1", *sizes]
+
+
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_usable(tiny_model_dir, tmp_path, monkeypatch):
     """A second Ctrl-C mid-save (nothing catches it): the half-written checkpoint-2.tmp stays, and resume skips it."""
-    cfg = recipe_cfg(
-        tmp_path,
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        "max_steps=1",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-    )
+    cfg = recipe_cfg(tmp_path, *one_small_step(tiny_model_dir))
     M.train(cfg)
     real_save = torch.save
 
@@ -98,14 +96,7 @@ def test_a_save_that_runs_out_of_room_is_one_line_and_leaves_the_earlier_checkpo
 
 
 def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):
-    common = [
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        "max_steps=1",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-    ]
+    common = one_small_step(tiny_model_dir)
     M.train(recipe_cfg(tmp_path, *common))
     M.train(recipe_cfg(tmp_path, *common, "seed=1"))
     runs = sorted(p.name for p in tmp_path.iterdir())
@@ -116,14 +107,7 @@ def test_a_fresh_run_moves_an_earlier_run_aside(tmp_path, tiny_model_dir):
 
 
 def test_a_run_that_fails_before_its_first_step_leaves_the_earlier_run_in_place_and_no_lock(tmp_path, tiny_model_dir):
-    common = [
-        f"model_name_or_path={tiny_model_dir}",
-        "model_builder=",
-        "max_steps=1",
-        "prompts_per_step=2",
-        "num_generations=2",
-        "max_tokens=8",
-    ]
+    common = one_small_step(tiny_model_dir)
     M.train(recipe_cfg(tmp_path, *common))
     earlier = (tmp_path / "run" / "metrics.jsonl").read_text()
     with pytest.raises(M.ConfigError, match="does not exist"):
