@@ -1696,7 +1696,8 @@ def load_plugins(run: Run, eval_only: bool):
 def hold_output_dir(cfg: Config, say):
     """Rank 0: a run holds its folder with a lock on `<output_dir>.lock` (which names its PID, host and start), so a
     second run on the same folder refuses instead of mixing its files in. The OS drops the lock of a run that dies.
-    A POSIX lock belongs to the process: an earlier train() in this process that failed does not block the next."""
+    A POSIX lock belongs to the process: an earlier train() in this process that failed does not block the next.
+    Not filelock (which the model build uses, to wait): its error could not name the run that holds the folder."""
     path = cfg.output_dir + ".lock"  # beside the folder, which a fresh run may move aside (absolute: resolve_paths)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     f = open(path, "a+")
