@@ -3,6 +3,7 @@ sample), in one run, on the same samples and the same model: tokens processed pe
 train-step time (issue 36).
 
     .venv/bin/python bench/packing.py [--repeats 3] [--cases toy tree prompt turns]
+    .venv/bin/python bench/packing.py --cases --recipe RECIPE.yaml [key=value ...]   # one step of any recipe
 
 Cases:
 - toy: one step's samples of hf_recipes/toy/toy-kv--mt-grpo.yaml (8 prompts x 8 episodes), rolled out by the trainer's
@@ -14,6 +15,8 @@ Cases:
   cannot make one);
 - turns: 8 episodes of 128 turns sharing a 100-token prompt (a sampled turn of 4-12 tokens, mask 1, then a tool
   result of 8-24, mask 0), random ids over the toy's vocabulary, one sample each (REALIGN keeps an episode in one).
+- recipe (`--recipe`): one rollout step of any recipe with its overrides, rolled out the same way, on its own model;
+  for a case this bench does not include.
 Every case runs on the toy-kv model (2 layers, hidden 128) but the tree, on the toy-chain model. One step is
 train_on_samples (one iteration, beta 0, SGD with learning rate 0 so that every step sees the same weights) with the
 recipe's micro-batching (micro_batch_size 64; the last two cases max_tokens_per_microbatch 16,384). The padded
@@ -189,8 +192,16 @@ def close(run):
         run.close([])
 
 
-def cases(which: list[str]):
-    """(case, run, samples, cfg) for each case asked for; the toy's run serves the last two."""
+def cases(which: list[str], recipe: list[str]):
+    """(case, run, samples, cfg) for each case asked for; the toy's run serves the prompt and turns cases."""
+    if recipe:
+        run, samples = rollout(recipe[0], "recipe", recipe[1:])
+        NAMES["recipe"] = f"{os.path.basename(recipe[0])} with {len(recipe) - 1} overrides"
+        print(f"[bench] recipe case: {' '.join(recipe)}")
+        yield "recipe", run, samples, run.cfg
+        close(run)
+    if not set(which) & {"toy", "prompt", "turns", "tree"}:
+        return
     toy_run, toy_samples = rollout(TOY, "toy", [])
     vocab = toy_run.model.config.vocab_size
     budget = dataclasses.replace(toy_run.cfg, max_tokens_per_microbatch=16384)
@@ -210,12 +221,13 @@ def cases(which: list[str]):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cases", nargs="+", choices=list(NAMES), default=list(NAMES))
+    ap.add_argument("--cases", nargs="*", choices=list(NAMES), default=list(NAMES), help="none: only --recipe")
+    ap.add_argument("--recipe", nargs="+", default=[], metavar="RECIPE [key=value]", help="one step of this recipe")
     args = ap.parse_args()
     torch.manual_seed(0)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores (shared)"
     results = {}
-    for case, run, samples, cfg in cases(args.cases):
+    for case, run, samples, cfg in cases(args.cases, args.recipe):
         print(f"[bench] {NAMES[case]}: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens")
         results[case] = measure(run, samples, cfg, args.repeats)
     print(f"\n{device}; median of {args.repeats} train steps each, alternating\n")
@@ -238,7 +250,7 @@ def main():
         print(
             f"{NAMES[case]}: processed/trained {pk['processed'] / r['trained']:.2f} packed vs "
             f"{pd['processed'] / r['trained']:.2f} padded; step time {pk['time'] / pd['time']:.2f}x; "
-            f"peak memory {pk['peak_mb'] / pd['peak_mb']:.2f}x"
+            f"peak memory {pk['peak_mb'] / pd['peak_mb']:.2f}x; floor (distinct/trained) {pk['held'] / r['trained']:.2f}"
         )
 
 
