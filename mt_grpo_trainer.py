@@ -363,19 +363,18 @@ class Sample:
     PER_TOKEN = ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions")  # filled as the sample grows
     PROMPT_STATE = ("text", "prompt_chars", "think_tokens")  # what a next prompt sets beside the per-token lists
 
-    def snapshot(self) -> tuple[dict, dict]:
+    def snapshot(self) -> dict:
         """What a next prompt may change, for `Episode.mark`: the per-token lists from the last turn on (a REALIGN may
         cut into them; what is before stays) and PROMPT_STATE."""
         tail = {k: getattr(self, k)[self.last_prompt_len :] for k in self.PER_TOKEN}
         state = {k: getattr(self, k) for k in self.PROMPT_STATE}
-        return tail, state
+        return {**tail, **state}
 
-    def restore(self, snapshot: tuple[dict, dict]):
-        tail, state = snapshot
-        for k, values in tail.items():
-            getattr(self, k)[self.last_prompt_len :] = values
-        for k, value in state.items():
-            setattr(self, k, value)
+    def restore(self, snapshot: dict):
+        for k in self.PER_TOKEN:
+            getattr(self, k)[self.last_prompt_len :] = snapshot[k]
+        for k in self.PROMPT_STATE:
+            setattr(self, k, snapshot[k])
 
     def truncate(self, n: int, text: str):
         for key in self.PER_TOKEN:
@@ -507,8 +506,7 @@ def spread(values) -> bool:
     v = np.asarray(values, dtype=np.float64)
     if len(v) < 2:
         return False
-    largest = max(1.0, float(np.abs(v).max()))
-    return np.ptp(v) > 1e-6 * largest
+    return np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))  # relative to the largest value, or 1
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
@@ -554,8 +552,7 @@ def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) 
     """MT-GRPO (paper Eq. 5): A_O + coef * A_T on the turns before the first tool result (every turn without one),
     A_O on the later ones."""
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
-    turn_sums = [sum(r) for r in turn_R]
-    a_t = cfg.turn_advantage_coef * group_normalize(turn_sums, cfg.scale_rewards)
+    a_t = cfg.turn_advantage_coef * group_normalize([sum(r) for r in turn_R], cfg.scale_rewards)
     advantages = []
     for ep, o, t in zip(episodes, a_o, a_t):
         split = ep.first_result_turn or len(ep.turns)  # the first turn after a tool result: A_O alone from it on
@@ -688,10 +685,10 @@ def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcom
             ep.turn_reward = sum(turn_rewards)
             ep.outcome_reward = outcome
             ep.advantages = [float(a) for a in advantages]
-            weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
+            turn_weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
             for s in ep.samples:
                 s.advantages = token_values(s.turn_idx, s.loss_mask, ep.advantages)
-                s.weights = token_values(s.turn_idx, s.loss_mask, weights)
+                s.weights = token_values(s.turn_idx, s.loss_mask, turn_weights)
 
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
@@ -747,7 +744,8 @@ def token_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
 def sequence_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over episodes of each episode's mean token loss (each episode weighs the same, as in the original GRPO):
     a row adds its masked sum over its episode's trained tokens, so a fork never changes an episode's weight."""
-    return ((per_token * mask).sum(-1) / seq_tokens.clamp(min=1)).sum() / max(num_seqs, 1)
+    per_row = (per_token * mask).sum(-1) / seq_tokens.clamp(min=1)  # a row's share of its episode's mean
+    return per_row.sum() / max(num_seqs, 1)
 
 
 # loss_aggregation -> fn(per_token [B, T], mask [B, T], seq_tokens [B], batch's trained tokens, batch's sequences)
@@ -825,7 +823,8 @@ class XMLTools:
     def parse(self, text: str) -> tuple[dict, list]:
         """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
         hit = re.search(r"<tool>(.*?)</tool>", text, re.S)
-        return {"role": "assistant", "content": text}, [parse_json(hit.group(1))] if hit else []
+        calls = [parse_json(hit.group(1))] if hit else []  # one call a turn: generation stops at </tool>
+        return {"role": "assistant", "content": text}, calls
 
     def result(self, text: str) -> dict:
         return {"role": "user", "content": f"<result>\n{text}\n</result>"}
@@ -849,7 +848,8 @@ class NativeTools:
 
     def parse(self, text: str) -> tuple[dict, list]:
         calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
-        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        well_formed = all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)
+        if not calls or not well_formed:
             return {"role": "assistant", "content": text}, calls  # no call, or a bad one as sampled (run_tools says)
         # templates put one "\n" between content and the first call: that one is theirs, not content
         content = text[: text.index("<tool_call>")].removesuffix("\n")
@@ -1074,7 +1074,9 @@ class MultiTurnToolEnv:
                     generator=generator,
                     sessions=[active[i].session for i in live],
                 )
-                pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
+                pending = []  # (episode, call) for each tool call of this turn
+                for i, c in zip(live, outs):
+                    pending += [(active[i], call) for call in self.step(active[i], c)]
                 self.run_tools(pending)
                 if self.cfg.branch_width > 1 and not evaluating:  # at the first branch_depth tool results of each path
                     called = {id(ep): ep for ep, _ in pending if len(ep.node) <= self.cfg.branch_depth}
@@ -1083,7 +1085,9 @@ class MultiTurnToolEnv:
             active = [ep for ep in eps if not ep.done]
         eps.sort(key=lambda ep: ep.node)  # a group's episodes together, each path after the one it branched from
         for ep in eps:
-            assert all(len({len(getattr(s, k)) for k in Sample.PER_TOKEN}) == 1 for s in ep.samples), "I2: out of step"
+            for s in ep.samples:
+                lengths = {len(getattr(s, k)) for k in Sample.PER_TOKEN}
+                assert len(lengths) == 1, "I2: out of step"
             ep.tokenization_mismatches = self.chat.check_tokenization(ep)
         return eps
 
@@ -1119,11 +1123,13 @@ def chunk_logprobs(logits, targets, temperature: float):
     t = temperature if temperature > 0 else 1.0
 
     def chunk(x, y):
-        return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
+        logp = torch.log_softmax(x.float() / t, -1)
+        return logp.gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
     pairs = zip(logits.split(n), targets.split(n))
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs])
+    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs]
+    return torch.cat(parts)
 
 
 def token_logprobs(model, ids, attn, temperature: float):
@@ -1138,7 +1144,8 @@ def packed_logprobs(model, mb: dict, temperature: float):
     """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
     rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
     sharing that prefix share, and its own sample's next token as the target."""
-    logits = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"]).logits.flatten(0, 1)
+    out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
+    logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
     flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
     return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
@@ -1153,7 +1160,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
     shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
     weighted_tokens = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, each counted by its weight
-    num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))
+    num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))  # over every rank
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -1179,7 +1186,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
                 )
                 (loss * world).backward()
             sums["loss/policy"] += loss.item() / cfg.num_iterations
-            sums.update({k: v.item() / num_tokens / cfg.num_iterations for k, v in token_sums.items()})
+            for k, v in token_sums.items():
+                sums[k] += v.item() / num_tokens / cfg.num_iterations
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg.max_grad_norm or math.inf)
         optimizer.step()
         scheduler.step()
@@ -1204,7 +1212,7 @@ def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> li
     skips a prompt."""
     rng = random.Random(step_seed(cfg.seed, step, draw))
     P = cfg.prompts_per_step
-    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)
+    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)  # fewer rows than prompts: repeats
     return [r for r in picked for _ in range(roots_per_prompt(cfg))]
 
 
@@ -1217,6 +1225,7 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     roots = roots_per_prompt(cfg)
     t0 = time.time()
     rows = run.batch(step)
+    wanted = len(rows) // roots  # groups this rank trains
     kept = []  # groups to train
     no_spread = []  # the last round's groups that teach nothing (every advantage zero), when filtering
     drawn = []  # the outcomes of every group rolled out, per group
@@ -1240,7 +1249,7 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
                 no_spread.append(g)
             else:
                 kept.append(g)
-        missing = len(run.batch(step)) // roots - len(kept)
+        missing = wanted - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
         rows = run.batch(step, draw + 1)[: missing * roots]
@@ -1350,7 +1359,7 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
     cfg = run.cfg
     rank = run.rank
     world = run.world
-    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]
+    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]  # (row, sample) pairs
     chunk = cfg.prompts_per_step * cfg.num_generations // world
     generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
     eps = []
@@ -1361,9 +1370,10 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
         score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
         score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
     kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
-    records = [
-        {"step": step, "row": i, "sample": j, **{k: getattr(ep, k) for k in kept}} for (i, j), ep in zip(mine, eps)
-    ]
+    records = []
+    for (i, j), ep in zip(mine, eps):
+        fields = {k: getattr(ep, k) for k in kept}
+        records.append({"step": step, "row": i, "sample": j, **fields})
     records = [r for part in gather_to_rank0(records) for r in part]
     return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
@@ -3753,7 +3763,8 @@ class ChatTemplate:
         if key not in self.stubs:
             kept = self.stubs if len(self.stubs) < 256 else {}
             self.stubs = {**kept, key: (self.apply(stub), self.apply(stub, add_generation_prompt=True))}
-        (base, gen), full = self.stubs[key], self.apply(stub + new, add_generation_prompt=True)
+        base, gen = self.stubs[key]
+        full = self.apply(stub + new, add_generation_prompt=True)
         start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
         text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:
