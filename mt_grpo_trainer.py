@@ -451,10 +451,12 @@ class Episode:
 
 
 def new_episode(row: dict, system_prompt: str, norm=lambda text: text) -> Episode:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     prompt = row["prompt"]
-    msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    msgs = [{**m, "content": norm(m["content"])} for m in msgs]  # each content is text (load_rows checks)
+    if not isinstance(prompt, list):  # one user message
+        prompt = [{"role": "user", "content": prompt}]
+    if system_prompt:
+        prompt = [{"role": "system", "content": system_prompt}] + prompt
+    msgs = [{**m, "content": norm(m["content"])} for m in prompt]  # each content is text (load_rows checks)
     return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
 
 
@@ -515,9 +517,9 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     if not spread(r):
         return np.zeros_like(r)
     centred = r - r.mean()
-    if not scale:
-        return centred
-    return centred / (r.std(ddof=1) + 1e-4)
+    if scale:
+        return centred / (r.std(ddof=1) + 1e-4)
+    return centred
 
 
 def mean_of_others(values) -> np.ndarray:
@@ -543,9 +545,9 @@ def return_scale(turn_R, outcome_R, cfg: Config) -> float:
     processes), it raised the signal-to-noise per token in 3 of its 13 per-turn cases, and AdamW's step hardly
     depends on the reward's units."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
-    if not cfg.scale_returns or not spread(returns):
-        return 1.0
-    return float(np.std(returns, ddof=1)) + 1e-4
+    if cfg.scale_returns and spread(returns):
+        return float(np.std(returns, ddof=1)) + 1e-4
+    return 1.0
 
 
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -916,8 +918,11 @@ class MultiTurnToolEnv:
         REALIGN: had R1 only dropped A0's trailing "\\n" (Llama 3.1 trims content), A0's tokens up to it stay
         trained and R1's rest is appended as context: [P0][A0 but "\\n"][S1'], one sample (see `realign_point`)."""
         chat = self.chat
-        s = ep.samples[-1] if ep.samples else None  # the sample this prompt grows, if any
-        bridged = chat.bridge(ep, s) if s else None  # the fast path at a tool boundary; None: render it all
+        s = None  # the sample this prompt grows, if any
+        bridged = None  # the fast path at a tool boundary; None: render it all
+        if ep.samples:
+            s = ep.samples[-1]
+            bridged = chat.bridge(ep, s)
         text = bridged or chat.render(ep.messages, ep.sampled_texts)
         if self.cfg.thinking_retention == "template":
             ep.forced_text = ""
@@ -927,18 +932,22 @@ class MultiTurnToolEnv:
             since_last_turn = ep.messages[max(ep.sampled_texts, default=-1) + 1 :]
             boundary = "user" if any(map(chat.is_query, since_last_turn)) else "tool"
             extends = text.startswith(s.text)
-            realign = None if extends else chat.realign_point(s, text)
-            gone = sum(s.loss_mask[realign[0] :]) if realign else 0  # the last turn's sampled tokens REALIGN untrains
-            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
+            realign = None
+            if not extends:
+                realign = chat.realign_point(s, text)
+            gone = 0  # the last turn's sampled tokens REALIGN untrains
             if realign:
+                gone = sum(s.loss_mask[realign[0] :])
                 ep.realigns += 1
                 ep.realigned_tokens += gone
                 s.truncate(*realign)
             elif not extends:  # a fork: this sample closes
                 ep.forks += 1
                 s = None
+            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
         if s is None:  # the episode's first prompt, or a fork
-            ep.samples.append(s := Sample())
+            s = Sample()
+            ep.samples.append(s)
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
         s.think_tokens += sum(len(chat.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
         chat.append(s, chat.enc(text[len(s.text) :]), mask=0)
@@ -1120,10 +1129,11 @@ def chunk_logprobs(logits, targets, temperature: float):
     """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
     log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
     recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    t = temperature if temperature > 0 else 1.0
+    if temperature <= 0:  # greedy: scored at temperature 1
+        temperature = 1.0
 
     def chunk(x, y):
-        logp = torch.log_softmax(x.float() / t, -1)
+        logp = torch.log_softmax(x.float() / temperature, -1)
         return logp.gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
@@ -1338,7 +1348,8 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
-        for n in (reward_name(fn) for fn in run.turn_fns + run.outcome_fns):
+        for fn in run.turn_fns + run.outcome_fns:
+            n = reward_name(fn)
             m[f"eval/{prefix}{n}"] = float(np.mean([r["rewards"][n] for r in recs]))
         m[f"eval/{prefix}answered"] = float(np.mean([r["end_reason"] == "answer" for r in recs]))
     how = f"temperature {cfg.eval_temperature}, seeded" if cfg.eval_temperature > 0 else "greedy"
