@@ -104,7 +104,9 @@ from tqdm import tqdm
 class Config:
     """Every recipe key: its type, default and docstring, which `--help` and docs/recipe-keys.md show. Beside a type,
     `Annotated[type, rule]` says what the loader (appendix F) accepts: a range ('(0, 2]', '>= 1', 'finite'; every
-    number must be finite), or the choices (a tuple, or a registry whose keys they are: one registered counts too)."""
+    number must be finite), or the choices (a tuple, or a registry whose keys they are: one registered counts too).
+    The registries are defined with what they register, further down: ADVANTAGE_MODES and LOSS_AGGREGATIONS in section
+    3 (the method), TOOL_FORMATS in section 4 (tool formats)."""
 
     # --- model and data
     model_name_or_path: str = ".cache/toy-kv-model-hd32"
@@ -359,6 +361,20 @@ class Sample:
     episode_tokens: int = 0  # trained tokens of its episode's samples (0: its own)
 
     PER_TOKEN = ("input_ids", "loss_mask", "sampler_logprobs", "turn_idx", "versions")  # filled as the sample grows
+    PROMPT_STATE = ("text", "prompt_chars", "think_tokens")  # what a next prompt sets beside the per-token lists
+
+    def snapshot(self) -> dict:
+        """What a next prompt may change, for `Episode.mark`: the per-token lists from the last turn on (a REALIGN may
+        cut into them; what is before stays) and PROMPT_STATE."""
+        tail = {k: getattr(self, k)[self.last_prompt_len :] for k in self.PER_TOKEN}
+        state = {k: getattr(self, k) for k in self.PROMPT_STATE}
+        return {**tail, **state}
+
+    def restore(self, snapshot: dict):
+        for k in self.PER_TOKEN:
+            getattr(self, k)[self.last_prompt_len :] = snapshot[k]
+        for k in self.PROMPT_STATE:
+            setattr(self, k, snapshot[k])
 
     def truncate(self, n: int, text: str):
         for key in self.PER_TOKEN:
@@ -368,7 +384,9 @@ class Sample:
     def append(self, ids, mask: int, logprobs=None, turn: int = -1, version: int = -1):
         self.input_ids += ids
         self.loss_mask += [mask] * len(ids)
-        self.sampler_logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        if logprobs is None:  # context: no sampler logprob
+            logprobs = [0.0] * len(ids)
+        self.sampler_logprobs += list(logprobs)
         self.turn_idx += [turn] * len(ids)
         self.versions += [version] * len(ids)
 
@@ -413,28 +431,32 @@ class Episode:
         return self.messages[self.n_prompt_messages :]
 
     def mark(self) -> tuple:
-        """What `undo` needs to take the next prompt back: the counts it may raise, and the held sample's fields (its
-        lists from its last turn on, where a REALIGN may cut them)."""
-        s = self.samples[-1] if self.samples else None
-        held = {k: v[s.last_prompt_len :] if isinstance(v, list) else v for k, v in vars(s).items()} if s else {}
-        return len(self.samples), len(self.boundaries), {k: getattr(self, k) for k in self.UNDONE}, held
+        """A branch point, from which `undo` takes the next prompt back: how many samples and boundaries the episode
+        has, the counts a prompt may raise (UNDONE), and the snapshot of the held sample (a prompt grows it, or a
+        REALIGN cuts it; a fork appends a new one, which `undo` drops)."""
+        counts = {k: getattr(self, k) for k in self.UNDONE}
+        held = None
+        if self.samples:
+            held = self.samples[-1].snapshot()
+        return len(self.samples), len(self.boundaries), counts, held
 
     def undo(self, mark: tuple):
-        n, b, counts, held = mark
-        del self.samples[n:], self.boundaries[b:]
-        vars(self).update(counts)
-        for k, v in held.items():
-            if isinstance(v, list):
-                getattr(self.samples[-1], k)[held["last_prompt_len"] :] = v
-            else:
-                setattr(self.samples[-1], k, v)
+        n_samples, n_boundaries, counts, held = mark
+        del self.samples[n_samples:]
+        del self.boundaries[n_boundaries:]
+        for k, value in counts.items():
+            setattr(self, k, value)
+        if held:
+            self.samples[-1].restore(held)
 
 
 def new_episode(row: dict, system_prompt: str, norm=lambda text: text) -> Episode:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     prompt = row["prompt"]
-    msgs += prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    msgs = [{**m, "content": norm(m["content"])} for m in msgs]  # each content is text (load_rows checks)
+    if not isinstance(prompt, list):  # one user message
+        prompt = [{"role": "user", "content": prompt}]
+    if system_prompt:
+        prompt = [{"role": "system", "content": system_prompt}] + prompt
+    msgs = [{**m, "content": norm(m["content"])} for m in prompt]  # each content is text (load_rows checks)
     return Episode(row=row, messages=msgs, n_prompt_messages=len(msgs))
 
 
@@ -455,10 +477,12 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
     else:
         totals = [[0.0] for _ in episodes]
     for fn, weight in zip(funcs, weights):
+        name = reward_name(fn)
         values = call_reward(fn, completions, columns, timeout, stop_event, per_turn)
         for ep, total, value in zip(episodes, totals, values):
-            ep.rewards[reward_name(fn)] = sum(value) if isinstance(value, list) else value
+            ep.rewards[name] = value
             if isinstance(value, list):
+                ep.rewards[name] = sum(value)
                 per_turn_values = list(enumerate(value))
             elif per_turn:
                 calling_turn = max(0, (ep.first_result_turn or len(ep.turns)) - 1)
@@ -482,7 +506,9 @@ def spread(values) -> bool:
     """Whether values differ by more than a float residue: 0.1 + 0.2 against 0.3 (5.6e-17), or float32's 0.1 + 0.25
     against 0.35 (~1e-8), would otherwise become a full advantage, or keep a group filter_zero_spread_groups drops."""
     v = np.asarray(values, dtype=np.float64)
-    return len(v) > 1 and np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))
+    if len(v) < 2:
+        return False
+    return np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))  # relative to the largest value, or 1
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
@@ -491,7 +517,9 @@ def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     if not spread(r):
         return np.zeros_like(r)
     centred = r - r.mean()
-    return centred / (r.std(ddof=1) + 1e-4) if scale else centred
+    if scale:
+        return centred / (r.std(ddof=1) + 1e-4)
+    return centred
 
 
 def mean_of_others(values) -> np.ndarray:
@@ -517,7 +545,9 @@ def return_scale(turn_R, outcome_R, cfg: Config) -> float:
     processes), it raised the signal-to-noise per token in 3 of its 13 per-turn cases, and AdamW's step hardly
     depends on the reward's units."""
     returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
-    return float(np.std(returns, ddof=1)) + 1e-4 if cfg.scale_returns and spread(returns) else 1.0
+    if cfg.scale_returns and spread(returns):
+        return float(np.std(returns, ddof=1)) + 1e-4
+    return 1.0
 
 
 def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -525,10 +555,11 @@ def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) 
     A_O on the later ones."""
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
     a_t = cfg.turn_advantage_coef * group_normalize([sum(r) for r in turn_R], cfg.scale_rewards)
-    return [
-        [float(o + t if ep.first_result_turn is None or i < ep.first_result_turn else o) for i in range(len(ep.turns))]
-        for ep, o, t in zip(episodes, a_o, a_t)
-    ]
+    advantages = []
+    for ep, o, t in zip(episodes, a_o, a_t):
+        split = ep.first_result_turn or len(ep.turns)  # the first turn after a tool result: A_O alone from it on
+        advantages.append([float(o + t if i < split else o) for i in range(len(ep.turns))])
+    return advantages
 
 
 def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
@@ -537,17 +568,19 @@ def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_
     first tool result)."""
     merged = grpo_merged_advantages(episodes, turn_R, outcome_R, cfg)
     split = mt_grpo_advantages(episodes, turn_R, outcome_R, cfg)
-    return [a if ep.first_result_turn else m for ep, a, m in zip(episodes, split, merged)]
+    return [a_split if ep.first_result_turn else a_merged for ep, a_split, a_merged in zip(episodes, split, merged)]
 
 
 def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """GRPO-OR: the outcome reward only, on every turn."""
-    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, group_normalize(outcome_R, cfg.scale_rewards))]
+    outcome = group_normalize(outcome_R, cfg.scale_rewards)
+    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, outcome)]
 
 
 def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
     """GRPO-MR: turn and outcome rewards merged into one scalar, on every turn."""
-    merged = group_normalize(np.add([sum(r) for r in turn_R], outcome_R), cfg.scale_rewards)
+    rewards = np.add([sum(r) for r in turn_R], outcome_R)
+    merged = group_normalize(rewards, cfg.scale_rewards)
     return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, merged)]
 
 
@@ -585,7 +618,7 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
         leaf_outcome[ep.node] = outcome
 
     def q(node):  # a node's turns' rewards (the mean over its paths: a number may sit on any turn), then what follows
-        children = [c for c in node_rewards if len(c) == len(node) + 1 and c[:-1] == node]
+        children = [c for c in node_rewards if c[:-1] == node]
         if children:
             rest = np.mean([q(c) for c in children])
         else:
@@ -654,10 +687,10 @@ def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcom
             ep.turn_reward = sum(turn_rewards)
             ep.outcome_reward = outcome
             ep.advantages = [float(a) for a in advantages]
-            weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
+            turn_weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
             for s in ep.samples:
                 s.advantages = token_values(s.turn_idx, s.loss_mask, ep.advantages)
-                s.weights = token_values(s.turn_idx, s.loss_mask, weights)
+                s.weights = token_values(s.turn_idx, s.loss_mask, turn_weights)
 
 
 def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample], int]:
@@ -667,7 +700,8 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
     tokens are trained by one path, its first child's, and stay trained when that path is cut below the node: the node
     itself was sampled whole. Left out too: samples with nothing left to train. Each kept sample notes its episode's
     trained tokens over the kept samples (what sequence_mean divides by)."""
-    kept, rejected = [], 0
+    kept = []
+    rejected = 0
     for ep in episodes:
         nodes = collections.defaultdict(functools.partial(tuple, ep.node), enumerate(ep.turn_nodes))  # turn -> node
         cut = set()
@@ -712,7 +746,8 @@ def token_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
 def sequence_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over episodes of each episode's mean token loss (each episode weighs the same, as in the original GRPO):
     a row adds its masked sum over its episode's trained tokens, so a fork never changes an episode's weight."""
-    return ((per_token * mask).sum(-1) / seq_tokens.clamp(min=1)).sum() / max(num_seqs, 1)
+    per_row = (per_token * mask).sum(-1) / seq_tokens.clamp(min=1)  # a row's share of its episode's mean
+    return per_row.sum() / max(num_seqs, 1)
 
 
 # loss_aggregation -> fn(per_token [B, T], mask [B, T], seq_tokens [B], batch's trained tokens, batch's sequences)
@@ -750,7 +785,8 @@ def grpo_loss(
         kl = torch.exp(d) - d - 1  # k3 estimator of KL(pi || ref), >= 0
         per_token = per_token + cfg.beta * kl
     mask = mask.to(logp.dtype)
-    seq_tokens = mask.sum(-1) if seq_tokens is None else seq_tokens
+    if seq_tokens is None:
+        seq_tokens = mask.sum(-1)
     loss = LOSS_AGGREGATIONS[cfg.loss_aggregation](per_token, mask, seq_tokens, num_tokens, num_seqs)
     with torch.no_grad():  # clipped: min takes the clipped term, so the token gets no policy gradient
         sums = {
@@ -780,7 +816,8 @@ class XMLTools:
     """The paper's protocol: <reasoning>, then <tool>{"name", "args"}</tool> or <answer>...</answer>.
     Generation stops at </tool> or </answer>; a result comes back as a user message <result>...</result>."""
 
-    args_key, stop = "args", ("</tool>", "</answer>")
+    args_key = "args"
+    stop = ("</tool>", "</answer>")
 
     def __init__(self, tools):
         self.schemas = None  # the tools are described in the system prompt instead
@@ -788,7 +825,8 @@ class XMLTools:
     def parse(self, text: str) -> tuple[dict, list]:
         """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
         hit = re.search(r"<tool>(.*?)</tool>", text, re.S)
-        return {"role": "assistant", "content": text}, [parse_json(hit.group(1))] if hit else []
+        calls = [parse_json(hit.group(1))] if hit else []  # one call a turn: generation stops at </tool>
+        return {"role": "assistant", "content": text}, calls
 
     def result(self, text: str) -> dict:
         return {"role": "user", "content": f"<result>\n{text}\n</result>"}
@@ -804,14 +842,16 @@ class NativeTools:
     """The chat template's own tool calling: JSON schemas in, <tool_call>{"name", "arguments"}</tool_call> (Qwen/Hermes)
     calls out, results as role 'tool'. Generation stops at EOS; a turn without a call is the answer."""
 
-    args_key, stop = "arguments", ()
+    args_key = "arguments"
+    stop = ()
 
     def __init__(self, tools):
         self.schemas = [tool_schema(f) for f in tools] if tools else None
 
     def parse(self, text: str) -> tuple[dict, list]:
         calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
-        if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        well_formed = all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)
+        if not calls or not well_formed:
             return {"role": "assistant", "content": text}, calls  # no call, or a bad one as sampled (run_tools says)
         # templates put one "\n" between content and the first call: that one is theirs, not content
         content = text[: text.index("<tool_call>")].removesuffix("\n")
@@ -847,10 +887,13 @@ class MultiTurnToolEnv:
     not plumbing, kept there for its length."""
 
     def __init__(self, tokenizer, tools, cfg: Config):
-        self.cfg, self.tools = cfg, {fn.__name__: fn for fn in tools}
-        self.fmt = TOOL_FORMATS[cfg.tool_format](list(self.tools.values()))
+        self.cfg = cfg
+        self.tools = {fn.__name__: fn for fn in tools}
+        tool_fns = list(self.tools.values())
+        self.fmt = TOOL_FORMATS[cfg.tool_format](tool_fns)
         self.chat = ChatTemplate(tokenizer, self.fmt, cfg)
-        self.stop, self.system_prompt = self.fmt.stop, system_prompt_for(cfg, list(self.tools.values()))
+        self.stop = self.fmt.stop
+        self.system_prompt = system_prompt_for(cfg, tool_fns)
 
     @functools.cached_property
     def pool(self) -> DaemonPool:  # made on the first tool call: an env that runs no tool starts no threads
@@ -875,8 +918,11 @@ class MultiTurnToolEnv:
         REALIGN: had R1 only dropped A0's trailing "\\n" (Llama 3.1 trims content), A0's tokens up to it stay
         trained and R1's rest is appended as context: [P0][A0 but "\\n"][S1'], one sample (see `realign_point`)."""
         chat = self.chat
-        s = ep.samples[-1] if ep.samples else None  # the sample this prompt grows, if any
-        bridged = chat.bridge(ep, s) if s else None  # the fast path at a tool boundary; None: render it all
+        s = None  # the sample this prompt grows, if any
+        bridged = None  # the fast path at a tool boundary; None: render it all
+        if ep.samples:
+            s = ep.samples[-1]
+            bridged = chat.bridge(ep, s)
         text = bridged or chat.render(ep.messages, ep.sampled_texts)
         if self.cfg.thinking_retention == "template":
             ep.forced_text = ""
@@ -886,18 +932,22 @@ class MultiTurnToolEnv:
             since_last_turn = ep.messages[max(ep.sampled_texts, default=-1) + 1 :]
             boundary = "user" if any(map(chat.is_query, since_last_turn)) else "tool"
             extends = text.startswith(s.text)
-            realign = None if extends else chat.realign_point(s, text)
-            gone = sum(s.loss_mask[realign[0] :]) if realign else 0  # the last turn's sampled tokens REALIGN untrains
-            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
+            realign = None
+            if not extends:
+                realign = chat.realign_point(s, text)
+            gone = 0  # the last turn's sampled tokens REALIGN untrains
             if realign:
+                gone = sum(s.loss_mask[realign[0] :])
                 ep.realigns += 1
                 ep.realigned_tokens += gone
                 s.truncate(*realign)
             elif not extends:  # a fork: this sample closes
                 ep.forks += 1
                 s = None
+            ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
         if s is None:  # the episode's first prompt, or a fork
-            ep.samples.append(s := Sample())
+            s = Sample()
+            ep.samples.append(s)
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
         s.think_tokens += sum(len(chat.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
         chat.append(s, chat.enc(text[len(s.text) :]), mask=0)
@@ -907,63 +957,75 @@ class MultiTurnToolEnv:
 
     def step(self, ep: Episode, c: Completion) -> list:
         """Record one sampled turn, then decide: answer or end (returns []), or the tool calls to run."""
-        t, s, chat = len(ep.turns), ep.samples[-1], self.chat
+        t = len(ep.turns)
+        s = ep.samples[-1]
+        chat = self.chat
         s.last_prompt_len = len(s.input_ids)
         ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
         ep.turn_nodes.append(ep.node)
         chat.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
-        content_ids = c.ids[:-1] if c.ids and c.ids[-1] in chat.tok.all_special_ids else c.ids  # the template adds EOS
+        content_ids = c.ids
+        if c.ids and c.ids[-1] in chat.tok.all_special_ids:  # the template adds EOS itself
+            content_ids = c.ids[:-1]
         text = chat.dec(content_ids)
         msg, calls = self.fmt.parse(text)
         if len(msg.get("tool_calls", ())) > 1 and chat.one_call_per_turn:  # the sampled text and one error result (I6)
             err = f"this chat template takes one tool call per turn; this turn made {len(calls)}, and none of them ran"
-            msg, calls = {"role": "assistant", "content": text}, [ValueError(err)]
+            msg = {"role": "assistant", "content": text}
+            calls = [ValueError(err)]
         ep.sampled_texts[len(ep.messages)] = ep.forced_text + text
         ep.messages.append(msg)
         s.n_messages = len(ep.messages)
         if c.finish_reason == "length":
-            ep.done, ep.end_reason = True, "truncated"  # a cut tool call is never run
+            ep.end_reason = "truncated"  # a cut tool call is never run
         elif not text.strip():
-            ep.done, ep.end_reason = True, "empty"  # nothing (or only EOS) was sampled
+            ep.end_reason = "empty"  # nothing (or only EOS) was sampled
+        elif not calls and self.fmt.is_answer(text):
+            ep.end_reason = "answer"
         elif not calls:
-            ep.done, ep.end_reason = True, "answer" if self.fmt.is_answer(text) else "no_action"
+            ep.end_reason = "no_action"
         elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:  # every call counts, several in one turn too
-            ep.done, ep.end_reason = True, "max_env_steps"
-        else:
-            if ep.first_result_turn is None:
-                ep.first_result_turn = t + 1
-            return calls
-        return []
+            ep.end_reason = "max_env_steps"
+        ep.done = bool(ep.end_reason)  # an episode is stepped until it ends: its end_reason was ""
+        if ep.done:
+            return []
+        if ep.first_result_turn is None:
+            ep.first_result_turn = t + 1
+        return calls
+
+    def call_error(self, call) -> Exception | None:
+        """What is wrong with a tool call as sampled, or None. `fmt.parse` gives a call that is not JSON as its
+        JSONDecodeError, and `step` one error for a turn of more calls than the template takes."""
+        key = self.fmt.args_key
+        if isinstance(call, Exception):
+            return call
+        if not isinstance(call, dict) or "name" not in call:
+            return ValueError(f'expected {{"name": ..., "{key}": {{...}}}}')
+        if call["name"] not in self.tools:
+            return ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
+        if not isinstance(call.get(key, {}), dict):
+            return ValueError(f"'{key}' must be a JSON object")
 
     def run_tools(self, pending: list[tuple[Episode, object]]) -> list[str]:
         """Run one turn's tool calls, all episodes' at once, appending each result to its episode. Every failure
         (bad JSON, unknown tool, wrong arguments, an exception, tool_timeout) is a counted error result (I6)."""
-        futures, key = [], self.fmt.args_key
-        for ep, call in pending:
+        errors = [self.call_error(call) for _, call in pending]  # what is wrong with each call as sampled, or None
+        futures = []  # each call's running tool; None where it is wrong
+        for (ep, call), error in zip(pending, errors):
             ep.tool_calls += 1
-            try:
-                if isinstance(call, Exception):
-                    raise call
-                if not isinstance(call, dict) or "name" not in call:
-                    raise ValueError(f'expected {{"name": ..., "{key}": {{...}}}}')
-                if call["name"] not in self.tools:
-                    raise ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
-                args = call.get(key, {})
-                if not isinstance(args, dict):
-                    raise ValueError(f"'{key}' must be a JSON object")
+            future = None
+            if error is None:
                 # a copy: native calls keep these arguments in the assistant message, which the next prompt renders
-                futures.append(self.pool.submit(self.tools[call["name"]], **copy.deepcopy(args)))
-            except Exception as e:  # noqa: BLE001
-                futures.append(e)
+                args = copy.deepcopy(call.get(self.fmt.args_key, {}))
+                future = self.pool.submit(self.tools[call["name"]], **args)
+            futures.append(future)
         results = []
-        for (ep, call), fut in zip(pending, futures):
-            if isinstance(fut, Exception):  # the call itself was wrong
-                error = fut
-            else:
+        for (ep, call), error, future in zip(pending, errors, futures):
+            if future:
                 try:
                     # The tool's own exception, even SystemExit or KeyboardInterrupt, is its result; a Ctrl-C that
                     # arrives while we wait is raised here, in the main thread, and stops the run.
-                    error = self.pool.wait(fut, self.cfg.tool_timeout)
+                    error = self.pool.wait(future, self.cfg.tool_timeout)
                 except concurrent.futures.TimeoutError:
                     error = TimeoutError(
                         f"tool {call['name']!r} did not finish within tool_timeout={self.cfg.tool_timeout}s"
@@ -971,11 +1033,11 @@ class MultiTurnToolEnv:
             if error:
                 ep.tool_errors += 1
                 text = f"Error: {type(error).__name__}: {error}"
-            elif fut.result() is None:
+            elif future.result() is None:
                 ep.tool_errors += 1
                 text = "Error: the tool returned None"
             else:
-                text = str(fut.result())
+                text = str(future.result())
             cap = self.cfg.tool_output_max_chars
             if len(text) > cap:
                 text = text[:cap] + f"\n... [cut: {len(text) - cap} more characters]"
@@ -993,19 +1055,23 @@ class MultiTurnToolEnv:
         (`eval_temperature` set, 0 = greedy) runs one path per row, at that temperature."""
         active = eps = [self.new_episode(r) for r in rows]
         for i, ep in enumerate(eps):
-            ep.group, ep.node, ep.session = i // roots_per_prompt(self.cfg), (i,), next(SESSIONS)
+            ep.group = i // roots_per_prompt(self.cfg)
+            ep.node = (i,)
+            ep.session = next(SESSIONS)
         room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
         evaluating = eval_temperature is not None
         temperature = eval_temperature if evaluating else self.cfg.temperature
         while active:
-            prompts, budgets = [], []
+            prompts = []
+            budgets = []
             for ep in active:
                 mark = ep.mark()
                 prompts.append(self.next_prompt(ep))
                 budgets.append(min(self.cfg.max_tokens, room - len(prompts[-1])))
                 if budgets[-1] < 1:  # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
                     ep.undo(mark)  # exceeds the room and every sampled token stays trained
-                    ep.done, ep.end_reason = True, "context"
+                    ep.done = True
+                    ep.end_reason = "context"
             live = [i for i, b in enumerate(budgets) if b >= 1]
             if live:
                 outs = sampler.generate(
@@ -1017,15 +1083,20 @@ class MultiTurnToolEnv:
                     generator=generator,
                     sessions=[active[i].session for i in live],
                 )
-                pending = [(active[i], call) for i, c in zip(live, outs) for call in self.step(active[i], c)]
+                pending = []  # (episode, call) for each tool call of this turn
+                for i, c in zip(live, outs):
+                    pending += [(active[i], call) for call in self.step(active[i], c)]
                 self.run_tools(pending)
                 if self.cfg.branch_width > 1 and not evaluating:  # at the first branch_depth tool results of each path
                     called = {id(ep): ep for ep, _ in pending if len(ep.node) <= self.cfg.branch_depth}
-                    eps = eps + [clone for ep in called.values() for clone in self.branch(ep)]
+                    clones = [clone for ep in called.values() for clone in self.branch(ep)]
+                    eps = eps + clones
             active = [ep for ep in eps if not ep.done]
         eps.sort(key=lambda ep: ep.node)  # a group's episodes together, each path after the one it branched from
         for ep in eps:
-            assert all(len({len(getattr(s, k)) for k in Sample.PER_TOKEN}) == 1 for s in ep.samples), "I2: out of step"
+            for s in ep.samples:
+                lengths = {len(getattr(s, k)) for k in Sample.PER_TOKEN}
+                assert len(lengths) == 1, "I2: out of step"
             ep.tokenization_mismatches = self.chat.check_tokenization(ep)
         return eps
 
@@ -1039,8 +1110,11 @@ class MultiTurnToolEnv:
             clone.node = ep.node + (j,)
             for s in clone.samples:  # as context: mask 0, no turn, no sampler logprob, no version
                 clone.shared_tokens += sum(s.loss_mask)
-                s.loss_mask, s.turn_idx = [0] * len(s.input_ids), [-1] * len(s.input_ids)
-                s.sampler_logprobs, s.versions = [0.0] * len(s.input_ids), [-1] * len(s.input_ids)
+                n = len(s.input_ids)
+                s.loss_mask = [0] * n
+                s.turn_idx = [-1] * n
+                s.sampler_logprobs = [0.0] * n
+                s.versions = [-1] * n
             clones.append(clone)
         ep.node += (0,)
         return clones
@@ -1055,14 +1129,17 @@ def chunk_logprobs(logits, targets, temperature: float):
     """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
     log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
     recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    t = temperature if temperature > 0 else 1.0
+    if temperature <= 0:  # greedy: scored at temperature 1
+        temperature = 1.0
 
     def chunk(x, y):
-        return torch.log_softmax(x.float() / t, -1).gather(-1, y[:, None]).squeeze(-1)
+        logp = torch.log_softmax(x.float() / temperature, -1)
+        return logp.gather(-1, y[:, None]).squeeze(-1)
 
     n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
     pairs = zip(logits.split(n), targets.split(n))
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs])
+    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs]
+    return torch.cat(parts)
 
 
 def token_logprobs(model, ids, attn, temperature: float):
@@ -1077,7 +1154,8 @@ def packed_logprobs(model, mb: dict, temperature: float):
     """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
     rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
     sharing that prefix share, and its own sample's next token as the target."""
-    logits = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"]).logits.flatten(0, 1)
+    out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
+    logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
     flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
     return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
@@ -1092,7 +1170,7 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
     shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
     weighted_tokens = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, each counted by its weight
-    num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))
+    num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))  # over every rank
     if num_tokens == 0:
         return {"loss/skipped_empty_batch": 1.0}
     model.train()
@@ -1118,12 +1196,13 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
                 )
                 (loss * world).backward()
             sums["loss/policy"] += loss.item() / cfg.num_iterations
-            sums.update({k: v.item() / num_tokens / cfg.num_iterations for k, v in token_sums.items()})
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            for k, v in token_sums.items():
+                sums[k] += v.item() / num_tokens / cfg.num_iterations
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg.max_grad_norm or math.inf)
         optimizer.step()
         scheduler.step()
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
     m = dict(zip(sums, all_reduce(*sums.values())))
     return {**m, "loss/grad_norm": float(grad_norm), "loss/lr": scheduler.get_last_lr()[0], **info}
 
@@ -1143,7 +1222,7 @@ def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> li
     skips a prompt."""
     rng = random.Random(step_seed(cfg.seed, step, draw))
     P = cfg.prompts_per_step
-    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)
+    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)  # fewer rows than prompts: repeats
     return [r for r in picked for _ in range(roots_per_prompt(cfg))]
 
 
@@ -1156,11 +1235,14 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     roots = roots_per_prompt(cfg)
     t0 = time.time()
     rows = run.batch(step)
+    wanted = len(rows) // roots  # groups this rank trains
     kept = []  # groups to train
     no_spread = []  # the last round's groups that teach nothing (every advantage zero), when filtering
     drawn = []  # the outcomes of every group rolled out, per group
     extra = 0  # prompts drawn beyond the batch
-    draws = cfg.max_filter_draws + 1 if cfg.filter_zero_spread_groups else 1
+    draws = 1
+    if cfg.filter_zero_spread_groups:
+        draws += cfg.max_filter_draws
     for draw in range(draws):
         # 1. rollout: whole groups (a prompt's episodes, or its tree's paths), every episode turn by turn, all at once
         episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
@@ -1171,19 +1253,25 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         groups = [list(g) for _, g in itertools.groupby(episodes, key=lambda ep: ep.group)]
         drawn += [[ep.outcome_reward for ep in g] for g in groups]
-        no_spread = [g for g in groups if cfg.filter_zero_spread_groups and not any(any(e.advantages) for e in g)]
-        kept += [g for g in groups if not any(g is f for f in no_spread)]
-        missing = len(run.batch(step)) // roots - len(kept)
+        no_spread = []
+        for g in groups:
+            if cfg.filter_zero_spread_groups and not any(any(ep.advantages) for ep in g):
+                no_spread.append(g)
+            else:
+                kept.append(g)
+        missing = wanted - len(kept)
         if not missing or draw == cfg.max_filter_draws:
             break
         rows = run.batch(step, draw + 1)[: missing * roots]
         extra += missing
     groups = kept + no_spread[:missing]
-    for i, ep in ((i, ep) for i, g in enumerate(groups) for ep in g):
-        ep.group = i  # the step's groups, numbered anew across draws
+    for i, group in enumerate(groups):  # the step's groups, numbered anew across draws
+        for ep in group:
+            ep.group = i
     m = {"time/rollout": time.time() - t0}
     if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained, this one every episode rolled out
-        m.update({"rollout/groups_filtered": len(drawn) - len(kept), "rollout/extra_draws": extra})
+        m["rollout/groups_filtered"] = len(drawn) - len(kept)
+        m["rollout/extra_draws"] = extra
         m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
     return [ep for g in groups for ep in g], m
 
@@ -1217,9 +1305,16 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
                 m.update(run.sync(step + 1))
                 run.rollouts.advance()
             # 6. log: every rank's means, averaged on rank 0; evaluate when due
-            m.update({**episode_metrics(episodes), **m_roll, **getattr(run.sampler, "stats", dict)()})
-            m.update({"rollout/rejected_nonfinite": rejected, "time/train": t_train, "time/step": time.time() - t0})
-            run.logger.log(step + 1, m, episodes, evaluate(run, step + 1) if run.eval_due(step + 1) else {})
+            m.update(episode_metrics(episodes))
+            m.update(m_roll)
+            m.update(getattr(run.sampler, "stats", dict)())
+            m["rollout/rejected_nonfinite"] = rejected
+            m["time/train"] = t_train
+            m["time/step"] = time.time() - t0
+            m_eval = {}
+            if run.eval_due(step + 1):
+                m_eval = evaluate(run, step + 1)
+            run.logger.log(step + 1, m, episodes, m_eval)
             # 7. save: every save_steps, at the end, and on SIGTERM or Ctrl-C (every rank stops at the same step)
             if (cfg.save_steps and (step + 1) % cfg.save_steps == 0) or step + 1 == cfg.max_steps:
                 run.save(step + 1)
@@ -1253,7 +1348,8 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
-        for n in (reward_name(fn) for fn in run.turn_fns + run.outcome_fns):
+        for fn in run.turn_fns + run.outcome_fns:
+            n = reward_name(fn)
             m[f"eval/{prefix}{n}"] = float(np.mean([r["rewards"][n] for r in recs]))
         m[f"eval/{prefix}answered"] = float(np.mean([r["end_reason"] == "answer" for r in recs]))
     how = f"temperature {cfg.eval_temperature}, seeded" if cfg.eval_temperature > 0 else "greedy"
@@ -1271,8 +1367,10 @@ def evaluate(run, step: int, record: bool = False) -> dict:
 def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict]:
     """`samples` episodes of each eval row (each rank takes its share of the rows), scored; on rank 0 every rank's
     records, by row and sample, else []. The sampling is seeded by the run's seed and the step: a rerun is the same."""
-    cfg, rank, world = run.cfg, run.rank, run.world
-    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]
+    cfg = run.cfg
+    rank = run.rank
+    world = run.world
+    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]  # (row, sample) pairs
     chunk = cfg.prompts_per_step * cfg.num_generations // world
     generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
     eps = []
@@ -1283,9 +1381,10 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
         score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
         score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
     kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
-    records = [
-        {"step": step, "row": i, "sample": j, **{k: getattr(ep, k) for k in kept}} for (i, j), ep in zip(mine, eps)
-    ]
+    records = []
+    for (i, j), ep in zip(mine, eps):
+        fields = {k: getattr(ep, k) for k in kept}
+        records.append({"step": step, "row": i, "sample": j, **fields})
     records = [r for part in gather_to_rank0(records) for r in part]
     return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
@@ -1410,7 +1509,8 @@ class Run:
             for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
                 self.probe_ids = self.probe_ids + sampled.ids
             self.probe_ids = self.probe_ids[-256:]
-        ids, was = torch.tensor([self.probe_ids], device=self.device), self.model.training
+        ids = torch.tensor([self.probe_ids], device=self.device)
+        was = self.model.training
         with torch.no_grad():  # every rank runs the forward (FSDP); float32, no dropout, as the server
             own = token_logprobs(self.model.eval(), ids, torch.ones_like(ids), 1.0)[0, 1:].double().cpu()
         self.model.train(was)
@@ -1481,12 +1581,15 @@ class Run:
         cfg = self.cfg
         if cfg.temperature == 1.0 and cfg.top_p == 1.0:  # nothing processed: the two modes agree
             return
-        srv, raw, processed = [], [], []
+        srv = []
+        raw = []
+        processed = []
         for c in self.sampler.generate([prompt] * 4, [16] * 4, cfg.temperature, cfg.top_p):  # each rank its own
             ids = torch.tensor([prompt + c.ids], device=self.device)
             with torch.no_grad():  # every rank runs the same number of forwards (FSDP)
                 logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().cpu()
-            pick, lp = torch.tensor(c.ids, dtype=torch.long)[:, None], torch.log_softmax(logits / cfg.temperature, -1)
+            pick = torch.tensor(c.ids, dtype=torch.long)[:, None]
+            lp = torch.log_softmax(logits / cfg.temperature, -1)
             raw += torch.log_softmax(logits, -1).gather(-1, pick).squeeze(-1).tolist()
             processed += (top_p_filter(lp, cfg.top_p) if cfg.top_p < 1 else lp).gather(-1, pick).squeeze(-1).tolist()
             srv += c.logprobs
@@ -1632,7 +1735,8 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
 def resolve_paths(cfg: Config):
     """The run's folders, made absolute once, before anything is written: a tool or reward function that calls
     os.chdir moves no log, checkpoint or lock, and config.yaml records the folders used."""
-    cfg.output_dir, cfg.weight_sync_dir = os.path.abspath(cfg.output_dir), os.path.abspath(cfg.weight_sync_dir)
+    cfg.output_dir = os.path.abspath(cfg.output_dir)
+    cfg.weight_sync_dir = os.path.abspath(cfg.weight_sync_dir)
     if cfg.model_builder or os.path.exists(cfg.model_name_or_path):  # a local folder, not a hub id
         cfg.model_name_or_path = os.path.abspath(cfg.model_name_or_path)
     if cfg.resume_from_checkpoint not in ("", "auto"):
@@ -1842,7 +1946,8 @@ def pretrained(cls, path: str, **kw):
     try:
         return cls.from_pretrained(path, **kw)
     except (OSError, ValueError) as e:  # transformers: OSError for a missing file or repo, ValueError for a bad one
-        folder, why = os.path.isdir(path), " ".join(str(e).split()).rstrip(".")
+        folder = os.path.isdir(path)
+        why = " ".join(str(e).split()).rstrip(".")
         tried = "from that folder" if folder else "as a hub id (no such folder)"
         fix = "check that it holds a model saved by save_pretrained" if folder else "check the id and the network"
         raise ConfigError(f"{cls.__name__} cannot load '{path}' {tried}: {why:.400}; {fix}") from None
@@ -1940,14 +2045,19 @@ class ToolCollapseAlarm:
     MIN_PEAK = 0.05
 
     def __init__(self, fraction: float, steps: int):
-        self.fraction, self.recent, self.peak, self.on = fraction, collections.deque(maxlen=steps), 0.0, False
+        self.fraction = fraction
+        self.recent = collections.deque(maxlen=steps)
+        self.peak = 0.0
+        self.on = False
 
     def update(self, step: int, rate: float) -> str:
         self.recent.append(rate)
         mean = sum(self.recent) / len(self.recent)
-        self.peak = max(self.peak, mean) if len(self.recent) == self.recent.maxlen else self.peak
+        if len(self.recent) == self.recent.maxlen:
+            self.peak = max(self.peak, mean)
         collapsed = self.peak >= self.MIN_PEAK and mean < self.fraction * self.peak
-        was, self.on = self.on, self.fraction > 0 and collapsed
+        was = self.on
+        self.on = self.fraction > 0 and collapsed
         if not self.on or was:
             return ""
         return (
@@ -1982,8 +2092,14 @@ class MetricsLogger:
     COUNTS = ("rollout/tokenization_mismatch", "rollout/rejected_nonfinite", "rollout/tool_output_replaced")
 
     def __init__(self, cfg: Config, rank: int, world: int, start: int, write=print):
-        self.cfg, self.rank, self.world, self.start, self.write, self.history = cfg, rank, world, start, write, []
-        self.wandb, self.alarm = None, ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.start = start
+        self.write = write
+        self.history = []
+        self.wandb = None
+        self.alarm = ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
         self.no_spread_said = False  # NO_SPREAD is said once a run
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
@@ -1999,7 +2115,8 @@ class MetricsLogger:
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
-        records, G = [], self.cfg.num_generations
+        records = []
+        G = self.cfg.num_generations
         if dump:
             first = self.rank * (self.cfg.prompts_per_step // self.world)  # this rank's first group
             records = [episode_record(step, first * G + i, first + ep.group, ep) for i, ep in enumerate(episodes)]
@@ -2080,34 +2197,41 @@ class LocalSampler:
     policy_version = None  # the weights being trained, always current
 
     def __init__(self, model, tokenizer):
-        self.model, self.tok, self.eos_ids = model, tokenizer, eos_ids(model, tokenizer)
+        self.model = model
+        self.tok = tokenizer
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
     def generate(
         self, prompts, max_tokens: list[int], temperature=1.0, top_p=1.0, stop=(), generator=None, sessions=None
     ):
-        model, dev = self.model, next(self.model.parameters()).device
+        model = self.model
+        dev = next(self.model.parameters()).device
         was_training = model.training
         model.eval()
-        B, L = len(prompts), max(len(p) for p in prompts)
+        B = len(prompts)
+        L = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + p for p in prompts], device=dev)
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         out = [Completion([], [], "length") for _ in range(B)]
         done = [m < 1 for m in max_tokens]
         window = max((len(s) for s in stop), default=0) + 2  # tail of tokens that can hold a stop string
-        cache, new_ids = None, ids
+        cache = None
+        new_ids = ids
         for _ in range(max(max_tokens)):
             res = model(input_ids=new_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
-            cache, logits = res.past_key_values, res.logits[:, -1].float()
+            cache = res.past_key_values
+            logits = res.logits[:, -1].float()
             if temperature > 0:
                 logp = torch.log_softmax(logits / temperature, -1)
                 if top_p < 1.0:
                     logp = top_p_filter(logp, top_p)
                 nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
             else:
-                logp, nxt = torch.log_softmax(logits, -1), logits.argmax(-1)
+                logp = torch.log_softmax(logits, -1)
+                nxt = logits.argmax(-1)
             tok_lp = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
             for b, (c, t, lp) in enumerate(zip(out, nxt.tolist(), tok_lp)):
                 if done[b]:
@@ -2115,7 +2239,8 @@ class LocalSampler:
                 c.ids.append(t)
                 c.logprobs.append(lp)
                 if t in self.eos_ids or (stop and any(s in self.tok.decode(c.ids[-window:]) for s in stop)):
-                    c.finish_reason, done[b] = "stop", True
+                    c.finish_reason = "stop"
+                    done[b] = True
                 elif len(c.ids) >= max_tokens[b]:
                     done[b] = True
             if all(done):
@@ -2173,7 +2298,10 @@ class VLLMServerClient:
     one goes to the least busy; one found down is left (`check_alive`) until a weight sync takes it back (`route`)."""
 
     def __init__(self, cfg: Config, vocab_size: int, stop_token_ids=(), stop_event=None, say=print):
-        self.cfg, self.say, self.vocab_size, self.stop_token_ids = cfg, say, vocab_size, sorted(stop_token_ids)
+        self.cfg = cfg
+        self.say = say
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
         logs = [os.path.abspath(p) for p in os.environ.get("MTGRPO_VLLM_LOG", "").split(",") if p]  # one per server
         logs += [""] * len(cfg.vllm_server_url)  # none for servers run.sh did not start
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
@@ -2184,7 +2312,9 @@ class VLLMServerClient:
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
         self.sessions: collections.OrderedDict = collections.OrderedDict()  # session -> its server, oldest use first
-        self.lock, self.lost, self.none_since = threading.Lock(), 0, None  # lost: servers found down since stats()
+        self.lock = threading.Lock()
+        self.lost = 0  # servers found down since stats()
+        self.none_since = None
         self.turn = int(os.environ.get("RANK", 0))  # ties go round the servers, each rank from its own
         self.policy_version = 0  # with run_tag, the cache_salt: no KV of other weights or runs is reused
         self.run_tag = hashlib.sha1(os.path.abspath(cfg.output_dir).encode()).hexdigest()[:8]
@@ -2196,7 +2326,8 @@ class VLLMServerClient:
         info = [self.request("GET", "/v1/models", deadline=deadline, server=s)["data"][0] for s in self.servers]
         if len({i["id"] for i in info}) > 1:  # requests name one model
             raise SamplerError(f"the vLLM servers {self.url} serve different models: {[i['id'] for i in info]}")
-        self.model, self.max_model_len = info[0]["id"], min(int(i["max_model_len"]) for i in info)
+        self.model = info[0]["id"]
+        self.max_model_len = min(int(i["max_model_len"]) for i in info)
         say(f"[mt-grpo] sampling from {self.url} ({self.model}, max_model_len {self.max_model_len})")
         if self.max_model_len < cfg.max_seq_len:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
@@ -2205,7 +2336,8 @@ class VLLMServerClient:
     # message) as closures took 32 more code tokens and one more dependency, and kept the same behaviour.
     def request(self, method, path, deadline=None, retry_5xx=True, plain=False, *, server: Server, **kw) -> dict:
         deadline = deadline or self.cfg.request_deadline
-        end, delay = time.monotonic() + deadline, 0.5
+        end = time.monotonic() + deadline
+        delay = 0.5
         for attempt in itertools.count(1):
             try:
                 if not hasattr(self.local, "session"):
@@ -2252,7 +2384,9 @@ class VLLMServerClient:
         if s.down_since is None and self.healthy(s):
             return
         with self.lock:
-            first, s.down_since, s.nccl = s.down_since is None, s.down_since or time.monotonic(), None
+            first = s.down_since is None
+            s.down_since = s.down_since or time.monotonic()
+            s.nccl = None
             self.lost += first
         if first:
             self.say(
@@ -2278,7 +2412,8 @@ class VLLMServerClient:
                         self.sessions.move_to_end(k)
                     while len(self.sessions) > 65536:  # bounded: more than the episodes of any rollouts in flight
                         self.sessions.popitem(last=False)
-                    s.busy, self.none_since = s.busy + n, None
+                    s.busy += n
+                    self.none_since = None
                     return s
                 self.none_since = self.none_since or time.monotonic()
                 waited = time.monotonic() - self.none_since
@@ -2330,7 +2465,8 @@ class VLLMServerClient:
         end = time.monotonic() + self.cfg.request_deadline
         while True:
             version = self.policy_version  # a retry after a sync samples from the new weights (LoRA: adapter)
-            body["cache_salt"], body["model"] = f"{self.run_tag}-v{version}", self.model_for(version)
+            body["cache_salt"] = f"{self.run_tag}-v{version}"
+            body["model"] = self.model_for(version)
             s = self.route(sessions, n)
             try:
                 reply = self.request(
@@ -2356,12 +2492,15 @@ class VLLMServerClient:
         counters (GET /metrics, prompt tokens): how much of what was sent again (a turn's history, a sibling's shared
         prefix) they did not recompute."""
         with self.lock:
-            served, lost, self.lost = np.array([s.served for s in self.servers], dtype=float), self.lost, 0
+            served = np.array([s.served for s in self.servers], dtype=float)
+            lost = self.lost
+            self.lost = 0
             for s in self.servers:
                 s.served = [0, 0]
         m = {"rollout/servers_lost": lost, "rollout/servers_up": sum(s.down_since is None for s in self.servers)}
         for i, (requests_, tokens) in enumerate(served / np.maximum(served.sum(0), 1)):
-            m[f"rollout/server{i}_request_share"], m[f"rollout/server{i}_token_share"] = requests_, tokens
+            m[f"rollout/server{i}_request_share"] = requests_
+            m[f"rollout/server{i}_token_share"] = tokens
         m["rollout/server_balance"] = served[:, 1].mean() / served[:, 1].max() if served[:, 1].max() else 1.0
         cache = np.zeros(2)
         for s in (s for s in self.servers if s.down_since is None):
@@ -2392,7 +2531,9 @@ class VLLMServerClient:
         return out
 
     def completion(self, c: dict, version: int, url: str) -> Completion:
-        ids, lps, where = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs"), f"{url}/v1/completions"
+        ids = c.get("token_ids")
+        lps = (c.get("logprobs") or {}).get("token_logprobs")
+        where = f"{url}/v1/completions"
         if not isinstance(ids, list) or not isinstance(lps, list):
             raise SamplerError(
                 f"{where} returned no {'token_ids' if not isinstance(ids, list) else 'logprobs'}; "
@@ -2428,9 +2569,12 @@ class VLLMServerClient:
         if state_dict is None:  # the ranks other than 0, once rank 0's call returned: the servers up here hold
             # `version`; one down here is taken back only if it answered at this rank's last sync too (rank 0 synced it)
             for s in self.servers:
-                back, s.seen = s.seen, s.down_since is not None and self.healthy(s)
+                back = s.seen
+                s.seen = s.down_since is not None and self.healthy(s)
                 if s.down_since is None or back and s.seen:
-                    s.version, s.down_since, s.seen = version, None, False
+                    s.version = version
+                    s.down_since = None
+                    s.seen = False
             self.policy_version = version
             return
         servers = [s for s in self.servers if s.down_since is None or self.healthy(s)]
@@ -2499,7 +2643,8 @@ class VLLMServerClient:
             if pause and not partial:
                 self.each(servers, "/reset_prefix_cache")
             for s in servers:  # synced: sampled from again (one taken back too)
-                s.version, s.down_since = version, None
+                s.version = version
+                s.down_since = None
             self.policy_version = version
         finally:
             if pause:
@@ -2551,8 +2696,11 @@ class RolloutProducer:
     there is no thread: `take` runs `collect` then and there."""
 
     def __init__(self, run, start: int):
-        self.run, self.k, self.closed = run, run.cfg.max_staleness, False
-        self.permits, self.ready = threading.Semaphore(self.k + 1), queue.Queue()
+        self.run = run
+        self.k = run.cfg.max_staleness
+        self.closed = False
+        self.permits = threading.Semaphore(self.k + 1)
+        self.ready = queue.Queue()
         if self.k:
             threading.Thread(target=self.work, args=(start,), daemon=True, name="mt-grpo-rollouts").start()
 
@@ -2604,7 +2752,9 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
             return 0, 1, torch.device("cuda" if cuda else "cpu")
         port = str(free_port())
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if cfg.prompts_per_step % world:
         raise ConfigError(
             f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the {world} training ranks "
@@ -2928,7 +3078,8 @@ def checkpoint_problem(path: str) -> str:
     files = os.listdir(path) if os.path.isdir(path) else []
     if "trainer_state.pt" not in files:
         return "no trainer_state.pt (expected a checkpoint-N folder)"
-    name, sizes = "manifest.json", {}
+    name = "manifest.json"
+    sizes = {}
     try:
         if name in files:
             with open(os.path.join(path, name)) as f:
@@ -3030,7 +3181,8 @@ class RecipeLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
-            key, mark = self.construct_object(key_node, deep=deep), key_node.start_mark
+            key = self.construct_object(key_node, deep=deep)
+            mark = key_node.start_mark
             if key in seen:
                 where = f" of {mark.name}" if mark.name != "<unicode string>" else ""
                 raise ConfigError(
@@ -3121,7 +3273,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
             hint = f"; did you mean '{close[0]}'?" if close else "; see `python mt_grpo_trainer.py --help`"
             where = f" in the override '{overridden[k]}' on the command line" if k in overridden else f" in {path}"
             raise ConfigError(f"unknown config key '{k}'{where if path or k in overridden else ''}{hint}")
-        values[k], rule = _coerce(k, v, hints[k]), rules.get(k)
+        values[k] = _coerce(k, v, hints[k])
+        rule = rules.get(k)
         if isinstance(rule, tuple) and values[k] not in rule:
             raise ConfigError(f"config key '{k}' must be one of {', '.join(rule)}, got {v!r}")
         if isinstance(rule, str) and not all(math.isfinite(x) and in_range(x, rule) for x in np.atleast_1d(values[k])):
@@ -3129,7 +3282,8 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
             raise ConfigError(f"{k} must be {kind}, got {v!r} ({field_docs()[k]})")
     cfg = Config(**values)
     for level in ("turn", "outcome"):
-        funcs, weights = f"{level}_reward_funcs", f"{level}_reward_weights"
+        funcs = f"{level}_reward_funcs"
+        weights = f"{level}_reward_weights"
         w = getattr(cfg, weights)
         if w and len(w) != len(getattr(cfg, funcs)):
             raise ConfigError(f"'{weights}' has {len(w)} entries but '{funcs}' has {len(getattr(cfg, funcs))}")
@@ -3220,7 +3374,8 @@ def read_yaml(stream, where: str):
     try:
         return yaml.load(stream, Loader=RecipeLoader)
     except yaml.YAMLError as e:
-        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or getattr(e, "reason", e)
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or getattr(e, "reason", e)
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark else f", position {getattr(e, 'position', 0)}"
         if getattr(e, "context_mark", None):  # e.g. an unclosed '[': where it opened
             problem += f" ({e.context} from line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
@@ -3229,7 +3384,9 @@ def read_yaml(stream, where: str):
 
 
 def print_help():
-    docs, hints, rules = field_docs(), typing.get_type_hints(Config), field_rules()
+    docs = field_docs()
+    hints = typing.get_type_hints(Config)
+    rules = field_rules()
     print(
         __doc__.split("\n\nThe invariants")[0]
         + "\n\nusage: python mt_grpo_trainer.py [train] RECIPE.yaml [key=value ...]\n"
@@ -3292,7 +3449,8 @@ def load_rows(spec: str) -> list[dict]:
             raise ConfigError(f"dataset file not found: {spec}")
         with open(spec, "rb") as f:  # bytes, which json.loads decodes: a byte that is not UTF-8 is named in its line
             numbered = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-        lines, rows = [n for n, _ in numbered], []
+        lines = [n for n, _ in numbered]
+        rows = []
         for n, line in numbered:
             try:
                 rows.append(json.loads(line))
@@ -3331,7 +3489,8 @@ def load_rows(spec: str) -> list[dict]:
                 '{"role": str, "content": str} messages'
             )
         if set(r) != cols:  # a missing column must not reach a reward function as None
-            missing, extra = sorted(cols - set(r)), sorted(set(r) - cols)
+            missing = sorted(cols - set(r))
+            extra = sorted(set(r) - cols)
             diff = f"lacks column(s) {', '.join(missing)}" if missing else f"has column(s) {', '.join(extra)}"
             raise ConfigError(f"{at} {diff} that row 0 does not; every row needs the same columns")
     return rows
@@ -3348,7 +3507,7 @@ class DaemonPool:
     abandoned with its worker (`wait` adds a fresh one), and none can keep the process from exiting."""
 
     def __init__(self, size: int):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs = queue.SimpleQueue()
         for _ in range(size):
             self.add_worker()
 
@@ -3365,7 +3524,7 @@ class DaemonPool:
                 fut.set_exception(e)
 
     def submit(self, fn, **kwargs) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut = concurrent.futures.Future()
         self.jobs.put((fn, kwargs, fut))
         return fut
 
@@ -3395,7 +3554,8 @@ def tool_schema(fn) -> dict:
     arg_docs = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc.partition("Args:")[2], re.M))
     hints = typing.get_type_hints(fn)
     json_type = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
-    props, required = {}, []
+    props = {}
+    required = []
     for name, p in inspect.signature(fn).parameters.items():
         t = hints.get(name, str)
         props[name] = {"type": json_type.get(typing.get_origin(t) or t, "string")}
@@ -3495,7 +3655,9 @@ class ChatTemplate:
     sample's held text beside its ids, the bridge, REALIGN's cut point, and the episode-end tokenization check."""
 
     def __init__(self, tokenizer, fmt, cfg: Config):
-        self.tok, self.fmt, self.cfg = tokenizer, fmt, cfg
+        self.tok = tokenizer
+        self.fmt = fmt
+        self.cfg = cfg
         self.bridge_checks = 0  # bridged prompts found equal to the full rendering so far; -1: the bridge is off
         self.stubs = {}  # the bridge's stub -> its rendering without and with the generation prompt
 
@@ -3563,7 +3725,8 @@ class ChatTemplate:
         ]
         # The final message is the template's to render (Qwen3 gives a final turn its own <think> handling).
         final = set() if add_generation_prompt else {len(messages) - 1}
-        verbatim = self.verbatim_turns(messages, sampled_texts) if verbatim is None else verbatim
+        if verbatim is None:
+            verbatim = self.verbatim_turns(messages, sampled_texts)
         holes = {i: f"\u27e6mt-grpo turn {i}\u27e7" for i in verbatim - compacted - final}
         for i, h in holes.items():
             msgs[i] = {"role": "assistant", "content": h}
@@ -3583,14 +3746,16 @@ class ChatTemplate:
         probe = self.render(probe, sampled_texts, False, verbatim=verbatim)
         if not (prompt_text.startswith(base) and probe.startswith(base) and hole in probe):
             return ""
-        gen, header = prompt_text[len(base) :], probe[len(base) : probe.index(hole)]
+        gen = prompt_text[len(base) :]
+        header = probe[len(base) : probe.index(hole)]
         return gen[len(header) :] if gen.startswith(header) else ""
 
     def append(self, s: Sample, ids: list[int], **kw):
         """Append to a sample and to its held text. The new ids are decoded apart from the rest (so no turn decodes the
         whole sample) where that gives the same text, checked on the tokens either side (a split character, a combining
         mark NFC joins to the one before); else the whole is decoded."""
-        dec, edge = self.dec, s.input_ids[-4:]
+        dec = self.dec
+        edge = s.input_ids[-4:]
         s.text = s.text + dec(ids) if dec(edge + ids[:4]) == dec(edge) + dec(ids[:4]) else dec(s.input_ids + ids)
         s.append(ids, **kw)
 
@@ -3602,7 +3767,8 @@ class ChatTemplate:
         thinking_retention other than template, and for good once it has differed from the full rendering on one
         of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
         last = max(ep.sampled_texts)  # the sampled assistant message
-        new, cfg = ep.messages[last:], self.cfg
+        new = ep.messages[last:]
+        cfg = self.cfg
         if self.bridge_checks < 0 or cfg.thinking_retention != "template" or cfg.thinking_compaction_turns:
             return None
         if any(map(self.is_query, new)):
@@ -3613,7 +3779,8 @@ class ChatTemplate:
         if key not in self.stubs:
             kept = self.stubs if len(self.stubs) < 256 else {}
             self.stubs = {**kept, key: (self.apply(stub), self.apply(stub, add_generation_prompt=True))}
-        (base, gen), full = self.stubs[key], self.apply(stub + new, add_generation_prompt=True)
+        base, gen = self.stubs[key]
+        full = self.apply(stub + new, add_generation_prompt=True)
         start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
         text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:
@@ -3624,8 +3791,10 @@ class ChatTemplate:
         """REALIGN (a tail wobble, not a rewrite): the fresh rendering keeps everything before the last turn's sampled
         tokens and departs inside them, and the at most realign_max_tokens of them past the departure are whitespace or
         special tokens (a trimmed newline, a re-rendered end marker). The held tokens to keep and their text, or None."""
-        lp, n = s.last_prompt_len, self.cfg.realign_max_tokens
-        head, tail = s.text[: s.prompt_chars], s.input_ids[lp:]
+        lp = s.last_prompt_len
+        n = self.cfg.realign_max_tokens
+        head = s.text[: s.prompt_chars]
+        tail = s.input_ids[lp:]
         if not n or not text.startswith(head):
             return None
         for k in range(len(tail) - 1, max(len(tail) - n, 0) - 1, -1):  # keep the most sampled tokens that still match
@@ -3640,7 +3809,8 @@ class ChatTemplate:
         """I5: each sample's last prompt must equal a fresh rendering of the messages before its last turn, with the
         generation prompt (a last turn rendered differently as history makes the next turn fork instead). Returns the
         number of mismatches; raises on one unless it is whitespace-only under `ignore_strippable`."""
-        mode, found = self.cfg.tokenization_check, 0
+        mode = self.cfg.tokenization_check
+        found = 0
         if mode == "off":
             return 0
         for k, s in enumerate(ep.samples):

@@ -74,8 +74,8 @@ MUTATIONS = [
     ),
     Mutation(
         "MT-GRPO split moved one turn later",
-        "i < ep.first_result_turn else o)",
-        "i <= ep.first_result_turn else o)",
+        "float(o + t if i < split else o)",
+        "float(o + t if i <= split else o)",
         ["tests/test_advantages.py"],
     ),
     Mutation(
@@ -92,8 +92,8 @@ MUTATIONS = [
     ),
     Mutation(
         "branch copies keep their trained mask",
-        "s.loss_mask, s.turn_idx = [0] * len(s.input_ids), [-1] * len(s.input_ids)",
-        "s.turn_idx = [-1] * len(s.input_ids)",
+        "                s.loss_mask = [0] * n\n",
+        "",
         ["tests/test_turn_credit.py", "-k", "branching_rollout"],
     ),
     Mutation(
@@ -138,8 +138,8 @@ MUTATIONS = [
     ),
     Mutation(
         "tool_timeout never cuts a tool off",
-        "self.pool.wait(fut, self.cfg.tool_timeout)",
-        "self.pool.wait(fut, math.inf)",
+        "self.pool.wait(future, self.cfg.tool_timeout)",
+        "self.pool.wait(future, math.inf)",
         ["tests/test_env.py", "-k", "hanging_tool"],
     ),
     Mutation(
