@@ -976,18 +976,20 @@ class MultiTurnToolEnv:
         ep.sampled_texts[len(ep.messages)] = ep.forced_text + text
         ep.messages.append(msg)
         s.n_messages = len(ep.messages)
+        end_reason = ""  # the turn goes on to its tool calls
         if c.finish_reason == "length":
-            ep.end_reason = "truncated"  # a cut tool call is never run
+            end_reason = "truncated"  # a cut tool call is never run
         elif not text.strip():
-            ep.end_reason = "empty"  # nothing (or only EOS) was sampled
+            end_reason = "empty"  # nothing (or only EOS) was sampled
         elif not calls and self.fmt.is_answer(text):
-            ep.end_reason = "answer"
+            end_reason = "answer"
         elif not calls:
-            ep.end_reason = "no_action"
+            end_reason = "no_action"
         elif ep.tool_calls + len(calls) > self.cfg.max_env_steps:  # every call counts, several in one turn too
-            ep.end_reason = "max_env_steps"
-        ep.done = bool(ep.end_reason)  # an episode is stepped until it ends: its end_reason was ""
-        if ep.done:
+            end_reason = "max_env_steps"
+        if end_reason:
+            ep.done = True
+            ep.end_reason = end_reason
             return []
         if ep.first_result_turn is None:
             ep.first_result_turn = t + 1
