@@ -1003,7 +1003,7 @@ class MultiTurnToolEnv:
             return call
         if not isinstance(call, dict) or "name" not in call:
             return ValueError(f'expected {{"name": ..., "{key}": {{...}}}}')
-        if call["name"] not in self.tools:
+        if not isinstance(call["name"], str) or call["name"] not in self.tools:  # a name may be any JSON value
             return ValueError(f"unknown tool {call['name']!r}; tools: {', '.join(self.tools)}")
         if not isinstance(call.get(key, {}), dict):
             return ValueError(f"'{key}' must be a JSON object")

@@ -138,6 +138,8 @@ def test_an_empty_generation_ends_the_episode_with_a_flag(tok, tmp_path):
         ("{not json", "JSONDecodeError"),
         ('{"args": {}}', 'expected {"name"'),
         ('{"name": "nope", "args": {}}', "unknown tool 'nope'"),
+        ('{"name": {"tool": "lookup"}, "args": {}}', "unknown tool {'tool': 'lookup'}"),
+        ('{"name": ["lookup"], "args": {}}', "unknown tool ['lookup']"),
         ('{"name": "lookup", "args": {"k": 1}}', "TypeError"),
         ('{"name": "lookup", "args": {"key": "zulu"}}', "unknown key 'zulu'"),
     ],
