@@ -368,7 +368,7 @@ class Sample:
         cut into them; what is before stays) and PROMPT_STATE."""
         tail = {k: getattr(self, k)[self.last_prompt_len :] for k in self.PER_TOKEN}
         state = {k: getattr(self, k) for k in self.PROMPT_STATE}
-        return {**tail, **state}
+        return tail | state
 
     def restore(self, snapshot: dict):
         for k in self.PER_TOKEN:
@@ -382,13 +382,14 @@ class Sample:
         self.text = text
 
     def append(self, ids, mask: int, logprobs=None, turn: int = -1, version: int = -1):
-        self.input_ids += ids
-        self.loss_mask += [mask] * len(ids)
+        n = len(ids)
         if logprobs is None:  # context: no sampler logprob
-            logprobs = [0.0] * len(ids)
-        self.sampler_logprobs += list(logprobs)
-        self.turn_idx += [turn] * len(ids)
-        self.versions += [version] * len(ids)
+            logprobs = [0.0] * n
+        self.input_ids += ids
+        self.loss_mask += [mask] * n
+        self.sampler_logprobs += logprobs
+        self.turn_idx += [turn] * n
+        self.versions += [version] * n
 
 
 @dataclass
@@ -483,7 +484,7 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
             ep.rewards[name] = value
             if isinstance(value, list):
                 ep.rewards[name] = sum(value)
-                per_turn_values = list(enumerate(value))
+                per_turn_values = enumerate(value)
             elif per_turn:
                 calling_turn = max(0, (ep.first_result_turn or len(ep.turns)) - 1)
                 per_turn_values = [(calling_turn, value)]
@@ -502,10 +503,13 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
 # turn's state (see the header) is unbiased: `tree`'s siblings (leave-one-out), or without branching the prompt's.
 
 
+PerTurn = list[list[float]]  # per episode, one value per assistant turn (ep.turns)
+
+
 def spread(values) -> bool:
     """Whether values differ by more than a float residue: 0.1 + 0.2 against 0.3 (5.6e-17), or float32's 0.1 + 0.25
     against 0.35 (~1e-8), would otherwise become a full advantage, or keep a group filter_zero_spread_groups drops."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     if len(v) < 2:
         return False
     return np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))  # relative to the largest value, or 1
@@ -513,7 +517,7 @@ def spread(values) -> bool:
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     """(r - mean) / std within one group. A group with no spread gets exactly zero."""
-    r = np.asarray(rewards, dtype=np.float64)
+    r = np.asarray(rewards, float)
     if not spread(r):
         return np.zeros_like(r)
     centred = r - r.mean()
@@ -526,7 +530,7 @@ def mean_of_others(values) -> np.ndarray:
     """For each value, the mean of the other values: an unbiased baseline, as it does not depend on the value's own
     trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n). No spread: the values themselves,
     so that each one's advantage is exactly zero."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     if not spread(v):
         return v
     return (v.sum() - v) / (len(v) - 1)
@@ -534,7 +538,7 @@ def mean_of_others(values) -> np.ndarray:
 
 def leave_one_out(values) -> np.ndarray:
     """Each value minus the mean of the others. No spread: exactly zero."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     return v - mean_of_others(v)
 
 
@@ -550,7 +554,7 @@ def return_scale(turn_R, outcome_R, cfg: Config) -> float:
     return 1.0
 
 
-def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """MT-GRPO (paper Eq. 5): A_O + coef * A_T on the turns before the first tool result (every turn without one),
     A_O on the later ones."""
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
@@ -562,7 +566,7 @@ def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) 
     return advantages
 
 
-def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """MT-GRPO as the paper's released code computes it: an episode without a tool result gets GRPO-MR's merged
     advantage on every turn instead of A_O + coef * A_T (mt_grpo reads Eq. 5 literally: all its turns come before the
     first tool result)."""
@@ -571,20 +575,20 @@ def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_
     return [a_split if ep.first_result_turn else a_merged for ep, a_split, a_merged in zip(episodes, split, merged)]
 
 
-def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """GRPO-OR: the outcome reward only, on every turn."""
     outcome = group_normalize(outcome_R, cfg.scale_rewards)
     return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, outcome)]
 
 
-def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """GRPO-MR: turn and outcome rewards merged into one scalar, on every turn."""
     rewards = np.add([sum(r) for r in turn_R], outcome_R)
     merged = group_normalize(rewards, cfg.scale_rewards)
     return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, merged)]
 
 
-def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """Per-turn rewards without branching: turn k gets its reward-to-go (its own and later turns' rewards, and the
     outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
     that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it. But that
@@ -601,7 +605,7 @@ def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Con
     return advantages
 
 
-def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """Branching rollouts, any number of turns. A node is the run of turns one path samples between branch points
     (`ep.turn_nodes`); its value Q is its turns' rewards plus, below it, the mean Q of its children (a leaf: its
     episode's outcome). Its advantage is Q minus the mean Q of its siblings, which continued from the same tokens
@@ -666,7 +670,7 @@ def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
     return [per_turn[t] if m else 0.0 for t, m in zip(turn_idx, loss_mask)]
 
 
-def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcome_R: list[float], cfg: Config):
+def assign_advantages(episodes: list[Episode], turn_R: PerTurn, outcome_R: list[float], cfg: Config):
     """The heart of the method: per group (the episodes of one prompt), then per token. Writes each episode's rewards
     and its per-turn advantages, and every sample's per-token advantages and loss weights."""
     groups = {}  # group id -> its episodes, with their turn rewards and outcomes
@@ -889,11 +893,10 @@ class MultiTurnToolEnv:
     def __init__(self, tokenizer, tools, cfg: Config):
         self.cfg = cfg
         self.tools = {fn.__name__: fn for fn in tools}
-        tool_fns = list(self.tools.values())
-        self.fmt = TOOL_FORMATS[cfg.tool_format](tool_fns)
+        self.fmt = TOOL_FORMATS[cfg.tool_format](tools)
         self.chat = ChatTemplate(tokenizer, self.fmt, cfg)
         self.stop = self.fmt.stop
-        self.system_prompt = system_prompt_for(cfg, tool_fns)
+        self.system_prompt = system_prompt_for(cfg, tools)
 
     @functools.cached_property
     def pool(self) -> DaemonPool:  # made on the first tool call: an env that runs no tool starts no threads
@@ -1157,7 +1160,7 @@ def packed_logprobs(model, mb: dict, temperature: float):
     out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
     logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
-    flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
+    flat = lp.new_zeros(mb["mask"].numel())  # every [B, T] position, 0 where nothing is trained
     return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
 
 
@@ -1252,9 +1255,9 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         # 3. advantage: one per assistant turn, from its group (see ADVANTAGE_MODES), which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
         groups = [list(g) for _, g in itertools.groupby(episodes, key=lambda ep: ep.group)]
-        drawn += [[ep.outcome_reward for ep in g] for g in groups]
         no_spread = []
         for g in groups:
+            drawn.append([ep.outcome_reward for ep in g])
             if cfg.filter_zero_spread_groups and not any(any(ep.advantages) for ep in g):
                 no_spread.append(g)
             else:
@@ -1272,7 +1275,7 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained, this one every episode rolled out
         m["rollout/groups_filtered"] = len(drawn) - len(kept)
         m["rollout/extra_draws"] = extra
-        m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
+        m["reward/outcome_before_filter"] = float(np.mean(np.concatenate(drawn)))
     return [ep for g in groups for ep in g], m
 
 
@@ -1378,8 +1381,7 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
         rows = [run.eval_rows[i] for i, _ in mine[k : k + chunk]]
         eps += run.env.rollout(rows, run.sampler, generator, eval_temperature=temperature)
     if eps:  # bounded by reward_timeout; a signal waits for the step's end
-        score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
-        score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+        record_rewards(run, eps)
     kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
     records = []
     for (i, j), ep in zip(mine, eps):
@@ -1723,7 +1725,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     if run.sampler.policy_version is not None:  # in-process they are the trainer's
         run.check_logprobs_mode(prompt_ids)
     quiet = not run.is_main or not sys.stderr.isatty()  # the step lines say it all in a file; a bar would tangle them
-    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=quiet)
+    bar = {"initial": run.start, "total": cfg.max_steps, "desc": "mt-grpo", "dynamic_ncols": True, "disable": quiet}
     run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
@@ -1774,8 +1776,7 @@ def load_plugins(run: Run, eval_only: bool):
     dummy = [new_episode(r, system_prompt_for(cfg, run.tools)) for r in run.rows[:2]]
     for ep in dummy:
         ep.messages.append({"role": "assistant", "content": "."})
-    score(dummy, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
-    score(dummy, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+    record_rewards(run, dummy)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
         raise ConfigError(
             f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
@@ -2171,7 +2172,7 @@ def summarize(cfg: Config, history: list[dict]):
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
-            plot = load_object(os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py:plot"), "plot")
+            plot = load_object(os.path.join(HERE, "plot.py:plot"), "plot")
             files += ", " + os.path.basename(plot([cfg.output_dir], os.path.join(cfg.output_dir, "curves.png")))
         except Exception as e:  # a picture is never worth a failed run
             print(f"[mt-grpo] warning: curves.png not drawn: {type(e).__name__}: {e}")
@@ -3015,8 +3016,13 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         return final
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
-    state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    state = {
+        "step": step,
+        "optimizer": optim_sd,
+        "scheduler": scheduler.state_dict(),
+        "config": dataclasses.asdict(cfg),
+    }
+    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         model.save_pretrained(tmp, state_dict=model_sd)
@@ -3129,7 +3135,7 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
     # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
     g = optimizer.param_groups[0]
-    old = dict(learning_rate=g["initial_lr"], weight_decay=g["weight_decay"], adam_betas=list(g["betas"]))
+    old = {"learning_rate": g["initial_lr"], "weight_decay": g["weight_decay"], "adam_betas": list(g["betas"])}
     old.update(state.get("config", {}))
     keys = "learning_rate lr_scheduler warmup_steps max_steps num_iterations weight_decay adam_betas".split()
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
@@ -3163,6 +3169,9 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
 
 
 # === F. Loading recipes, plug-ins and data; small utilities =========================
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this file's folder: shipped recipes, plug-ins, plot.py
 
 
 class ConfigError(ValueError):
@@ -3247,7 +3256,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)  # a shipped recipe, from any folder
+        here = os.path.join(HERE, path)  # a shipped recipe, from any folder
         path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
@@ -3317,7 +3326,7 @@ def locate_paths(cfg: Config, recipe: str | None, say=None):
     this file's folder. model_name_or_path is taken where model_builder's file was found (so a missing model is built
     beside its builder), else where it exists; a hub id stays as it is. `say` names each folder used past the first."""
     bases = [os.path.dirname(os.path.abspath(recipe))] if recipe else []
-    bases += [os.getcwd(), os.path.dirname(os.path.abspath(__file__))]
+    bases += [os.getcwd(), HERE]
     found_in = {}  # path as written -> the folder it was found in
 
     def find(p: str, only: str | None = None) -> str:
@@ -3408,7 +3417,7 @@ def load_object(spec: str, what: str = "object"):
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    here = os.path.join(HERE, path)
     full = path if os.path.isfile(path) else here if os.path.isfile(here) else None
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
@@ -3574,7 +3583,7 @@ def system_prompt_for(cfg: Config, tools: list) -> str:
 
 
 class TokenizationMismatch(RuntimeError):
-    pass
+    """A sample's last prompt is not what a fresh rendering gives (I5; see ChatTemplate.check_tokenization)."""
 
 
 class CheckpointError(RuntimeError):
@@ -3595,6 +3604,13 @@ class Stopped(RewardError):
 
 def reward_name(fn) -> str:
     return getattr(fn, "__name__", str(fn))
+
+
+def record_rewards(run, episodes: list[Episode]):
+    """Each reward function's own value on every episode, in ep.rewards (what evaluation reports), unweighted."""
+    timeout = run.cfg.reward_timeout
+    score(episodes, run.turn_fns, [1.0] * len(run.turn_fns), timeout, per_turn=True)
+    score(episodes, run.outcome_fns, [1.0] * len(run.outcome_fns), timeout)
 
 
 def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event=None, per_turn=False) -> list:
