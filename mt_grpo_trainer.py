@@ -1125,28 +1125,10 @@ class MultiTurnToolEnv:
 
 # === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
 
-LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
-
-
-def chunk_logprobs(logits, targets, temperature: float):
-    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
-    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
-    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    if temperature <= 0:  # greedy: scored at temperature 1
-        temperature = 1.0
-
-    def chunk(x, y):
-        logp = torch.log_softmax(x.float() / temperature, -1)
-        return logp.gather(-1, y[:, None]).squeeze(-1)
-
-    n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    pairs = zip(logits.split(n), targets.split(n))
-    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs]
-    return torch.cat(parts)
-
 
 def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0."""
+    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0.
+    `chunk_logprobs` (appendix D) computes them a chunk of tokens at a time, to bound the memory."""
     logits = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1)
     targets = ids.roll(-1, 1).flatten()  # next tokens; a row's last gets a dummy (its first), dropped below
     lp = chunk_logprobs(logits, targets, temperature)
@@ -2960,6 +2942,26 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
         "adv": pad([s.advantages for s in in_batch], 0.0, T),
         "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in in_batch], device=device),
     }
+
+
+LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
+
+
+def chunk_logprobs(logits, targets, temperature: float):
+    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
+    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
+    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
+    if temperature <= 0:  # greedy: scored at temperature 1
+        temperature = 1.0
+
+    def chunk(x, y):
+        logp = torch.log_softmax(x.float() / temperature, -1)
+        return logp.gather(-1, y[:, None]).squeeze(-1)
+
+    n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
+    pairs = zip(logits.split(n), targets.split(n))
+    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs]
+    return torch.cat(parts)
 
 
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
