@@ -368,7 +368,7 @@ class Sample:
         cut into them; what is before stays) and PROMPT_STATE."""
         tail = {k: getattr(self, k)[self.last_prompt_len :] for k in self.PER_TOKEN}
         state = {k: getattr(self, k) for k in self.PROMPT_STATE}
-        return {**tail, **state}
+        return tail | state
 
     def restore(self, snapshot: dict):
         for k in self.PER_TOKEN:
@@ -382,13 +382,14 @@ class Sample:
         self.text = text
 
     def append(self, ids, mask: int, logprobs=None, turn: int = -1, version: int = -1):
-        self.input_ids += ids
-        self.loss_mask += [mask] * len(ids)
+        n = len(ids)
         if logprobs is None:  # context: no sampler logprob
-            logprobs = [0.0] * len(ids)
-        self.sampler_logprobs += list(logprobs)
-        self.turn_idx += [turn] * len(ids)
-        self.versions += [version] * len(ids)
+            logprobs = [0.0] * n
+        self.input_ids += ids
+        self.loss_mask += [mask] * n
+        self.sampler_logprobs += logprobs
+        self.turn_idx += [turn] * n
+        self.versions += [version] * n
 
 
 @dataclass
@@ -471,7 +472,9 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
     it (the last turn if none did). `call_reward` (appendix F) runs each one bounded by `timeout` seconds, on its own
     copies, and checks what it returns."""
     completions = [ep.completion for ep in episodes]
-    columns = {k: [ep.row.get(k) for ep in episodes] for k in episodes[0].row}
+    columns = {}  # dataset column -> its value per episode
+    for k in episodes[0].row:
+        columns[k] = [ep.row.get(k) for ep in episodes]
     if per_turn:
         totals = [[0.0] * max(len(ep.turns), 1) for ep in episodes]
     else:
@@ -483,7 +486,7 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
             ep.rewards[name] = value
             if isinstance(value, list):
                 ep.rewards[name] = sum(value)
-                per_turn_values = list(enumerate(value))
+                per_turn_values = enumerate(value)
             elif per_turn:
                 calling_turn = max(0, (ep.first_result_turn or len(ep.turns)) - 1)
                 per_turn_values = [(calling_turn, value)]
@@ -502,18 +505,22 @@ def score(episodes: list[Episode], funcs, weights, timeout: float, stop_event=No
 # turn's state (see the header) is unbiased: `tree`'s siblings (leave-one-out), or without branching the prompt's.
 
 
+PerTurn = list[list[float]]  # per episode, one value per assistant turn (ep.turns)
+
+
 def spread(values) -> bool:
     """Whether values differ by more than a float residue: 0.1 + 0.2 against 0.3 (5.6e-17), or float32's 0.1 + 0.25
     against 0.35 (~1e-8), would otherwise become a full advantage, or keep a group filter_zero_spread_groups drops."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     if len(v) < 2:
         return False
-    return np.ptp(v) > 1e-6 * max(1.0, float(np.abs(v).max()))  # relative to the largest value, or 1
+    largest = max(1.0, float(np.abs(v).max()))  # a residue is relative to the largest value, or 1
+    return np.ptp(v) > 1e-6 * largest
 
 
 def group_normalize(rewards, scale: bool = True) -> np.ndarray:
     """(r - mean) / std within one group. A group with no spread gets exactly zero."""
-    r = np.asarray(rewards, dtype=np.float64)
+    r = np.asarray(rewards, float)
     if not spread(r):
         return np.zeros_like(r)
     centred = r - r.mean()
@@ -526,7 +533,7 @@ def mean_of_others(values) -> np.ndarray:
     """For each value, the mean of the other values: an unbiased baseline, as it does not depend on the value's own
     trajectory (GRPO's group mean includes it: the same up to a factor (n - 1) / n). No spread: the values themselves,
     so that each one's advantage is exactly zero."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     if not spread(v):
         return v
     return (v.sum() - v) / (len(v) - 1)
@@ -534,7 +541,7 @@ def mean_of_others(values) -> np.ndarray:
 
 def leave_one_out(values) -> np.ndarray:
     """Each value minus the mean of the others. No spread: exactly zero."""
-    v = np.asarray(values, dtype=np.float64)
+    v = np.asarray(values, float)
     return v - mean_of_others(v)
 
 
@@ -550,41 +557,54 @@ def return_scale(turn_R, outcome_R, cfg: Config) -> float:
     return 1.0
 
 
-def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def mt_grpo_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """MT-GRPO (paper Eq. 5): A_O + coef * A_T on the turns before the first tool result (every turn without one),
     A_O on the later ones."""
+    turn_rewards = [sum(r) for r in turn_R]
     a_o = group_normalize(outcome_R, cfg.scale_rewards)
-    a_t = cfg.turn_advantage_coef * group_normalize([sum(r) for r in turn_R], cfg.scale_rewards)
+    a_t = cfg.turn_advantage_coef * group_normalize(turn_rewards, cfg.scale_rewards)
     advantages = []
     for ep, o, t in zip(episodes, a_o, a_t):
         split = ep.first_result_turn or len(ep.turns)  # the first turn after a tool result: A_O alone from it on
-        advantages.append([float(o + t if i < split else o) for i in range(len(ep.turns))])
+        before = [float(o + t)] * split
+        after = [float(o)] * (len(ep.turns) - split)
+        advantages.append(before + after)
     return advantages
 
 
-def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """MT-GRPO as the paper's released code computes it: an episode without a tool result gets GRPO-MR's merged
     advantage on every turn instead of A_O + coef * A_T (mt_grpo reads Eq. 5 literally: all its turns come before the
     first tool result)."""
+    advantages = mt_grpo_advantages(episodes, turn_R, outcome_R, cfg)
     merged = grpo_merged_advantages(episodes, turn_R, outcome_R, cfg)
-    split = mt_grpo_advantages(episodes, turn_R, outcome_R, cfg)
-    return [a_split if ep.first_result_turn else a_merged for ep, a_split, a_merged in zip(episodes, split, merged)]
+    for i, ep in enumerate(episodes):
+        if not ep.first_result_turn:
+            advantages[i] = merged[i]
+    return advantages
 
 
-def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """GRPO-OR: the outcome reward only, on every turn."""
     outcome = group_normalize(outcome_R, cfg.scale_rewards)
-    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, outcome)]
+    advantages = []
+    for ep, a in zip(episodes, outcome):
+        advantages.append([float(a)] * len(ep.turns))
+    return advantages
 
 
-def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """GRPO-MR: turn and outcome rewards merged into one scalar, on every turn."""
-    rewards = np.add([sum(r) for r in turn_R], outcome_R)
+    turn_rewards = [sum(r) for r in turn_R]
+    rewards = np.add(turn_rewards, outcome_R)
     merged = group_normalize(rewards, cfg.scale_rewards)
-    return [[float(a)] * len(ep.turns) for ep, a in zip(episodes, merged)]
+    advantages = []
+    for ep, a in zip(episodes, merged):
+        advantages.append([float(a)] * len(ep.turns))
+    return advantages
 
 
-def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """Per-turn rewards without branching: turn k gets its reward-to-go (its own and later turns' rewards, and the
     outcome) minus the mean return of the other episodes of its group. The prompt is the only state they share, so
     that is the baseline there is: unbiased, and a turn is no longer credited for the rewards before it. But that
@@ -601,7 +621,7 @@ def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Con
     return advantages
 
 
-def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> list[list[float]]:
+def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """Branching rollouts, any number of turns. A node is the run of turns one path samples between branch points
     (`ep.turn_nodes`); its value Q is its turns' rewards plus, below it, the mean Q of its children (a leaf: its
     episode's outcome). Its advantage is Q minus the mean Q of its siblings, which continued from the same tokens
@@ -630,7 +650,8 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
     advantage = {}
     for parent in {node[:-1] for node in node_rewards}:
         siblings = [node for node in node_rewards if node[:-1] == parent]
-        advantage.update(zip(siblings, leave_one_out([values[node] for node in siblings]) / scale))
+        sibling_values = [values[node] for node in siblings]
+        advantage.update(zip(siblings, leave_one_out(sibling_values) / scale))
     return [[float(advantage[n]) for n in ep.turn_nodes] for ep in episodes]
 
 
@@ -657,16 +678,17 @@ def node_weight(node: tuple, cfg: Config) -> float:
     """The leaves a node stands for in a full tree: b^(depth - its branchings). Its tokens, trained once, weigh that
     much, so the loss is the loss of the G root-to-leaf paths in expectation (however many of them a path that stopped
     early left unsampled); without branching, 1."""
-    return float(cfg.branch_width ** (cfg.branch_depth + 1 - len(node)))
+    branchings = len(node) - 1  # the branch points on its path
+    return float(cfg.branch_width ** (cfg.branch_depth - branchings))
 
 
 def token_values(turn_idx, loss_mask, per_turn: list[float]) -> list[float]:
     """Per-token values of a per-turn list: a token's is its assistant turn's (`turn_idx` indexes `per_turn`), 0 on
     untrained tokens."""
-    return [per_turn[t] if m else 0.0 for t, m in zip(turn_idx, loss_mask)]
+    return [per_turn[turn] if trained else 0.0 for turn, trained in zip(turn_idx, loss_mask)]
 
 
-def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcome_R: list[float], cfg: Config):
+def assign_advantages(episodes: list[Episode], turn_R: PerTurn, outcome_R: list[float], cfg: Config):
     """The heart of the method: per group (the episodes of one prompt), then per token. Writes each episode's rewards
     and its per-turn advantages, and every sample's per-token advantages and loss weights."""
     groups = {}  # group id -> its episodes, with their turn rewards and outcomes
@@ -676,18 +698,23 @@ def assign_advantages(episodes: list[Episode], turn_R: list[list[float]], outcom
         group = [ep for ep, _, _ in members]
         group_turn_R = [turn_rewards for _, turn_rewards, _ in members]
         group_outcome_R = [outcome for _, _, outcome in members]
-        per_turn = ADVANTAGE_MODES[cfg.advantage_mode](group, group_turn_R, group_outcome_R, cfg)
-        if [len(a) for a in per_turn] != [len(ep.turns) for ep in group]:
+        mode = ADVANTAGE_MODES[cfg.advantage_mode]
+        per_turn = mode(group, group_turn_R, group_outcome_R, cfg)
+        given = [len(a) for a in per_turn]
+        turns = [len(ep.turns) for ep in group]
+        if given != turns:
             raise ConfigError(
                 f"advantage_mode {cfg.advantage_mode!r} must return one advantage per assistant turn: it gave "
-                f"{[len(a) for a in per_turn]} for episodes of {[len(ep.turns) for ep in group]} turns"
+                f"{given} for episodes of {turns} turns"
             )
         for (ep, turn_rewards, outcome), advantages in zip(members, per_turn):
             ep.turn_rewards = turn_rewards[: len(ep.turns)]
             ep.turn_reward = sum(turn_rewards)
             ep.outcome_reward = outcome
             ep.advantages = [float(a) for a in advantages]
-            turn_weights = [node_weight(n, cfg) for n in ep.turn_nodes] or [1.0] * len(ep.turns)
+            turn_weights = [1.0] * len(ep.turns)
+            if ep.turn_nodes:
+                turn_weights = [node_weight(n, cfg) for n in ep.turn_nodes]
             for s in ep.samples:
                 s.advantages = token_values(s.turn_idx, s.loss_mask, ep.advantages)
                 s.weights = token_values(s.turn_idx, s.loss_mask, turn_weights)
@@ -709,12 +736,16 @@ def trainable_samples(episodes: list[Episode], cfg: Config) -> tuple[list[Sample
             cut.add(ep.node)  # the node the path ended in; its ancestors were sampled whole
         samples = []
         for s in ep.samples:
-            broken = {nodes[t] for t, x in zip(s.turn_idx, s.sampler_logprobs) if t >= 0 and not math.isfinite(x)}
+            broken = set()  # the nodes it sampled a non-finite logprob in
+            for t, x in zip(s.turn_idx, s.sampler_logprobs):
+                if t >= 0 and not math.isfinite(x):
+                    broken.add(nodes[t])
             rejected += bool(broken)
             samples.append(without_nodes(s, nodes, broken | cut))
         samples = [s for s in samples if any(s.loss_mask)]
+        episode_tokens = sum(sum(s.loss_mask) for s in samples)
         for s in samples:
-            s.episode_tokens = sum(sum(x.loss_mask) for x in samples)
+            s.episode_tokens = episode_tokens
         kept += samples
     return kept, rejected
 
@@ -724,7 +755,8 @@ def without_nodes(s: Sample, nodes: dict, dropped: set) -> Sample:
     non-finite one times mask 0 would still make the loss NaN), or the sample itself when nothing changes."""
     keep = [t >= 0 and nodes[t] not in dropped for t in s.turn_idx]
     mask = [m * k for m, k in zip(s.loss_mask, keep)]
-    if mask == s.loss_mask and all(map(math.isfinite, s.sampler_logprobs)):
+    finite = all(map(math.isfinite, s.sampler_logprobs))
+    if mask == s.loss_mask and finite:
         return s
     return dataclasses.replace(
         s,
@@ -740,13 +772,15 @@ def without_nodes(s: Sample, nodes: dict, dropped: set) -> Sample:
 
 def token_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over every trained token of the batch (each token weighs the same, as in DAPO)."""
-    return (per_token * mask).sum() / max(num_tokens, 1)
+    total = (per_token * mask).sum()
+    return total / max(num_tokens, 1)
 
 
 def sequence_mean(per_token, mask, seq_tokens, num_tokens: int, num_seqs: int):
     """Mean over episodes of each episode's mean token loss (each episode weighs the same, as in the original GRPO):
     a row adds its masked sum over its episode's trained tokens, so a fork never changes an episode's weight."""
-    per_row = (per_token * mask).sum(-1) / seq_tokens.clamp(min=1)  # a row's share of its episode's mean
+    row_sums = (per_token * mask).sum(-1)
+    per_row = row_sums / seq_tokens.clamp(min=1)  # a row's share of its episode's mean
     return per_row.sum() / max(num_seqs, 1)
 
 
@@ -777,8 +811,11 @@ def grpo_loss(
     epsilon, epsilon_high, is_ratio_cap, beta, loss_aggregation. Returns the loss and sums over the masked tokens."""
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
-    is_weight = torch.exp(old_logp - sampler_logp).clamp(max=cfg.is_ratio_cap) if cfg.is_ratio_cap > 0 else None
-    per_token = -torch.min(ratio * adv, clipped * adv) * (1.0 if is_weight is None else is_weight)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    is_weight = torch.zeros_like(logp)  # is_ratio_cap 0: no correction (logged as 0)
+    if cfg.is_ratio_cap > 0:
+        is_weight = torch.exp(old_logp - sampler_logp).clamp(max=cfg.is_ratio_cap)
+        per_token = per_token * is_weight
     kl = torch.zeros_like(logp)
     if cfg.beta > 0:
         d = ref_logp - logp
@@ -793,10 +830,11 @@ def grpo_loss(
             "loss/clip_frac": (clipped * adv < ratio * adv).to(mask.dtype),
             "loss/kl": kl,
             "loss/ratio": ratio,
-            "loss/is_weight": torch.zeros_like(logp) if is_weight is None else is_weight,
+            "loss/is_weight": is_weight,
             "rollout/sampler_logprob_diff": (old_logp - sampler_logp).abs(),  # the mismatch behind is_weight
         }
-    return loss, {k: (v * mask).sum() for k, v in sums.items()}
+    token_sums = {k: (v * mask).sum() for k, v in sums.items()}
+    return loss, token_sums
 
 
 # === 4. Tool formats: how a call is written, parsed, and answered ========================
@@ -824,8 +862,10 @@ class XMLTools:
 
     def parse(self, text: str) -> tuple[dict, list]:
         """Sampled text -> (the assistant message as the template gets it, the tool calls to run)."""
+        calls = []  # one call a turn at most: generation stops at </tool>
         hit = re.search(r"<tool>(.*?)</tool>", text, re.S)
-        calls = [parse_json(hit.group(1))] if hit else []  # one call a turn: generation stops at </tool>
+        if hit:
+            calls.append(parse_json(hit.group(1)))
         return {"role": "assistant", "content": text}, calls
 
     def result(self, text: str) -> dict:
@@ -849,15 +889,19 @@ class NativeTools:
         self.schemas = [tool_schema(f) for f in tools] if tools else None
 
     def parse(self, text: str) -> tuple[dict, list]:
-        calls = [parse_json(c) for c in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
+        sampled = re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)
+        calls = [parse_json(c) for c in sampled]
         well_formed = all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)
         if not calls or not well_formed:
             return {"role": "assistant", "content": text}, calls  # no call, or a bad one as sampled (run_tools says)
         # templates put one "\n" between content and the first call: that one is theirs, not content
         content = text[: text.index("<tool_call>")].removesuffix("\n")
-        functions = [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
-        calls_msg = [{"type": "function", "function": f} for f in functions]
-        return {"role": "assistant", "content": content, "tool_calls": calls_msg}, calls
+        calls_msg = []
+        for c in calls:
+            function = {"name": c["name"], "arguments": c.get("arguments", {})}
+            calls_msg.append({"type": "function", "function": function})
+        message = {"role": "assistant", "content": content, "tool_calls": calls_msg}
+        return message, calls
 
     def result(self, text: str) -> dict:
         return {"role": "tool", "content": text}
@@ -889,11 +933,10 @@ class MultiTurnToolEnv:
     def __init__(self, tokenizer, tools, cfg: Config):
         self.cfg = cfg
         self.tools = {fn.__name__: fn for fn in tools}
-        tool_fns = list(self.tools.values())
-        self.fmt = TOOL_FORMATS[cfg.tool_format](tool_fns)
+        self.fmt = TOOL_FORMATS[cfg.tool_format](tools)
         self.chat = ChatTemplate(tokenizer, self.fmt, cfg)
         self.stop = self.fmt.stop
-        self.system_prompt = system_prompt_for(cfg, tool_fns)
+        self.system_prompt = system_prompt_for(cfg, tools)
 
     @functools.cached_property
     def pool(self) -> DaemonPool:  # made on the first tool call: an env that runs no tool starts no threads
@@ -929,7 +972,8 @@ class MultiTurnToolEnv:
         else:
             ep.forced_text = chat.forced_prefix(ep.messages, ep.sampled_texts, text)
         if s:
-            since_last_turn = ep.messages[max(ep.sampled_texts, default=-1) + 1 :]
+            last_turn = max(ep.sampled_texts, default=-1)  # the message the last turn sampled
+            since_last_turn = ep.messages[last_turn + 1 :]
             boundary = "user" if any(map(chat.is_query, since_last_turn)) else "tool"
             extends = text.startswith(s.text)
             realign = None
@@ -949,8 +993,11 @@ class MultiTurnToolEnv:
             s = Sample()
             ep.samples.append(s)
         # the environment's tokens (mask 0); <think> tokens are counted in what is new since the last prompt only
-        s.think_tokens += sum(len(chat.enc(t)) for t in THINK_RE.findall(text[s.prompt_chars :]))
-        chat.append(s, chat.enc(text[len(s.text) :]), mask=0)
+        new_text = text[s.prompt_chars :]
+        for think in THINK_RE.findall(new_text):
+            s.think_tokens += len(chat.enc(think))
+        context = chat.enc(text[len(s.text) :])
+        chat.append(s, context, mask=0)
         s.prompt_chars = len(s.text)
         ep.thinking_tokens_kept += s.think_tokens
         return list(s.input_ids)
@@ -1019,7 +1066,8 @@ class MultiTurnToolEnv:
             if error is None:
                 # a copy: native calls keep these arguments in the assistant message, which the next prompt renders
                 args = copy.deepcopy(call.get(self.fmt.args_key, {}))
-                future = self.pool.submit(self.tools[call["name"]], **args)
+                tool = self.tools[call["name"]]
+                future = self.pool.submit(tool, **args)
             futures.append(future)
         results = []
         for (ep, call), error, future in zip(pending, errors, futures):
@@ -1060,7 +1108,8 @@ class MultiTurnToolEnv:
             ep.group = i // roots_per_prompt(self.cfg)
             ep.node = (i,)
             ep.session = next(SESSIONS)
-        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))  # a server's context may be less
+        server_room = getattr(sampler, "max_model_len", math.inf)  # a server's context may be less
+        room = min(self.cfg.max_seq_len, server_room)
         evaluating = eval_temperature is not None
         temperature = eval_temperature if evaluating else self.cfg.temperature
         while active:
@@ -1069,7 +1118,8 @@ class MultiTurnToolEnv:
             for ep in active:
                 mark = ep.mark()
                 prompts.append(self.next_prompt(ep))
-                budgets.append(min(self.cfg.max_tokens, room - len(prompts[-1])))
+                room_left = room - len(prompts[-1])
+                budgets.append(min(self.cfg.max_tokens, room_left))
                 if budgets[-1] < 1:  # no room to sample: undo this prompt whole (a REALIGN's cut too), so no sample
                     ep.undo(mark)  # exceeds the room and every sampled token stays trained
                     ep.done = True
@@ -1087,12 +1137,15 @@ class MultiTurnToolEnv:
                 )
                 pending = []  # (episode, call) for each tool call of this turn
                 for i, c in zip(live, outs):
-                    pending += [(active[i], call) for call in self.step(active[i], c)]
+                    ep = active[i]
+                    for call in self.step(ep, c):
+                        pending.append((ep, call))
                 self.run_tools(pending)
                 if self.cfg.branch_width > 1 and not evaluating:  # at the first branch_depth tool results of each path
-                    called = {id(ep): ep for ep, _ in pending if len(ep.node) <= self.cfg.branch_depth}
-                    clones = [clone for ep in called.values() for clone in self.branch(ep)]
-                    eps = eps + clones
+                    called = {id(ep): ep for ep, _ in pending}  # each episode once, however many calls it made
+                    for ep in called.values():
+                        if len(ep.node) <= self.cfg.branch_depth:
+                            eps = eps + self.branch(ep)
             active = [ep for ep in eps if not ep.done]
         eps.sort(key=lambda ep: ep.node)  # a group's episodes together, each path after the one it branched from
         for ep in eps:
@@ -1124,32 +1177,15 @@ class MultiTurnToolEnv:
 
 # === 6. The train step: token logprobs, num_iterations optimizer updates on the batch's micro-batches ===
 
-LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
-
-
-def chunk_logprobs(logits, targets, temperature: float):
-    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
-    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
-    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
-    if temperature <= 0:  # greedy: scored at temperature 1
-        temperature = 1.0
-
-    def chunk(x, y):
-        logp = torch.log_softmax(x.float() / temperature, -1)
-        return logp.gather(-1, y[:, None]).squeeze(-1)
-
-    n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
-    pairs = zip(logits.split(n), targets.split(n))
-    parts = [torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False) for x, y in pairs]
-    return torch.cat(parts)
-
 
 def token_logprobs(model, ids, attn, temperature: float):
-    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0."""
+    """log pi(token_t | tokens_<t) at `temperature` for every position of plain [B, T] rows; position 0 gets 0.
+    `chunk_logprobs` (appendix D) computes them a chunk of tokens at a time, to bound the memory."""
     logits = model(input_ids=ids, attention_mask=attn).logits.flatten(0, 1)
     targets = ids.roll(-1, 1).flatten()  # next tokens; a row's last gets a dummy (its first), dropped below
-    lp = chunk_logprobs(logits, targets, temperature)
-    return torch.nn.functional.pad(lp.view_as(ids)[:, :-1], (1, 0))
+    lp = chunk_logprobs(logits, targets, temperature).view_as(ids)
+    scored = lp[:, :-1]  # position t scores token t + 1
+    return torch.nn.functional.pad(scored, (1, 0))
 
 
 def packed_logprobs(model, mb: dict, temperature: float):
@@ -1159,8 +1195,9 @@ def packed_logprobs(model, mb: dict, temperature: float):
     out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
     logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
-    flat = torch.zeros(mb["mask"].numel(), dtype=lp.dtype, device=lp.device)
-    return flat.index_put((mb["pick"],), lp).view_as(mb["mask"])
+    flat = lp.new_zeros(mb["mask"].numel())  # every [B, T] position, 0 where nothing is trained
+    flat = flat.index_put((mb["pick"],), lp)
+    return flat.view_as(mb["mask"])
 
 
 def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sample], cfg: Config, pad_id: int) -> dict:
@@ -1170,7 +1207,10 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
     device = next(model.parameters()).device
     world = dist.get_world_size() if dist.is_initialized() else 1
     # a sequence is an episode: its samples' shares of its trained tokens add up to 1 (round drops the float error)
-    shares = [sum(s.loss_mask) / max(s.episode_tokens or sum(s.loss_mask), 1) for s in samples]
+    shares = []
+    for s in samples:
+        trained = sum(s.loss_mask)
+        shares.append(trained / max(s.episode_tokens or trained, 1))
     weighted_tokens = sum(sum(s.weights or s.loss_mask) for s in samples)  # trained tokens, each counted by its weight
     num_tokens, num_seqs = map(round, all_reduce(weighted_tokens, sum(shares)))  # over every rank
     if num_tokens == 0:
@@ -1200,13 +1240,16 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
             sums["loss/policy"] += loss.item() / cfg.num_iterations
             for k, v in token_sums.items():
                 sums[k] += v.item() / num_tokens / cfg.num_iterations
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=cfg.max_grad_norm or math.inf)
+        max_norm = cfg.max_grad_norm or math.inf  # 0: no clipping
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
         optimizer.step()
         scheduler.step()
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
         grad_norm = grad_norm.full_tensor()
     m = dict(zip(sums, all_reduce(*sums.values())))
-    return {**m, "loss/grad_norm": float(grad_norm), "loss/lr": scheduler.get_last_lr()[0], **info}
+    m["loss/grad_norm"] = float(grad_norm)
+    m["loss/lr"] = scheduler.get_last_lr()[0]
+    return m | info
 
 
 # === 7. The training loop ================================================================
@@ -1215,7 +1258,8 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
 def step_seed(seed: int, step: int, draw: int = 0, rank: int = 0) -> int:
     """The seed of one step's prompt draw and sampling: a function of the run's seed, the step, the dynamic-sampling
     redraw and the rank alone, so a resumed run draws as an unbroken one. Large primes keep the streams apart."""
-    return seed * 1_000_003 + step + 100_003 * rank + 7_919_993 * draw
+    stream = 100_003 * rank + 7_919_993 * draw  # each rank's, each redraw's
+    return seed * 1_000_003 + step + stream
 
 
 def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
@@ -1224,8 +1268,12 @@ def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> li
     skips a prompt."""
     rng = random.Random(step_seed(cfg.seed, step, draw))
     P = cfg.prompts_per_step
-    picked = rng.sample(rows, P) if len(rows) >= P else rng.choices(rows, k=P)  # fewer rows than prompts: repeats
-    return [r for r in picked for _ in range(roots_per_prompt(cfg))]
+    if len(rows) >= P:
+        picked = rng.sample(rows, P)
+    else:  # fewer rows than prompts: repeats
+        picked = rng.choices(rows, k=P)
+    roots = roots_per_prompt(cfg)
+    return [r for r in picked for _ in range(roots)]
 
 
 def collect(run, step: int) -> tuple[list[Episode], dict]:
@@ -1247,16 +1295,18 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
         draws += cfg.max_filter_draws
     for draw in range(draws):
         # 1. rollout: whole groups (a prompt's episodes, or its tree's paths), every episode turn by turn, all at once
-        episodes = run.env.rollout(rows, run.sampler, run.generator(step, draw))
+        generator = run.generator(step, draw)
+        episodes = run.env.rollout(rows, run.sampler, generator)
         # 2. reward: turn-level rewards (one per turn) and an outcome-level scalar per episode
         turn_R = score(episodes, run.turn_fns, run.turn_w, cfg.reward_timeout, run.stop_event, per_turn=True)
         outcome_R = score(episodes, run.outcome_fns, run.outcome_w, cfg.reward_timeout, run.stop_event)
         # 3. advantage: one per assistant turn, from its group (see ADVANTAGE_MODES), which its tokens take
         assign_advantages(episodes, turn_R, outcome_R, cfg)
-        groups = [list(g) for _, g in itertools.groupby(episodes, key=lambda ep: ep.group)]
-        drawn += [[ep.outcome_reward for ep in g] for g in groups]
+        by_group = itertools.groupby(episodes, key=lambda ep: ep.group)
+        groups = [list(g) for _, g in by_group]
         no_spread = []
         for g in groups:
+            drawn.append([ep.outcome_reward for ep in g])
             if cfg.filter_zero_spread_groups and not any(any(ep.advantages) for ep in g):
                 no_spread.append(g)
             else:
@@ -1274,7 +1324,7 @@ def collect(run, step: int) -> tuple[list[Episode], dict]:
     if cfg.filter_zero_spread_groups:  # reward/outcome covers the groups trained, this one every episode rolled out
         m["rollout/groups_filtered"] = len(drawn) - len(kept)
         m["rollout/extra_draws"] = extra
-        m["reward/outcome_before_filter"] = float(np.mean([r for g in drawn for r in g]))
+        m["reward/outcome_before_filter"] = float(np.mean(np.concatenate(drawn)))
     return [ep for g in groups for ep in g], m
 
 
@@ -1300,7 +1350,15 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             # 4. update: PPO-clip on exactly the sampled tokens (I1)
             samples, rejected = trainable_samples(episodes, cfg)
             t1 = time.time()
-            m = train_on_samples(run.policy, run.ref_model, run.optimizer, run.scheduler, samples, cfg, run.pad_id)
+            m = train_on_samples(
+                model=run.policy,
+                ref_model=run.ref_model,
+                optimizer=run.optimizer,
+                scheduler=run.scheduler,
+                samples=samples,
+                cfg=cfg,
+                pad_id=run.pad_id,
+            )
             t_train = time.time() - t1
             # 5. sync: a sampler with weights of its own (a vLLM server) samples from the new ones from now on
             if (step + 1) % cfg.sync_every == 0:
@@ -1339,7 +1397,9 @@ def evaluate(run, step: int, record: bool = False) -> dict:
     cfg = run.cfg
     t0 = time.time()
     records = eval_episodes(run, step, cfg.eval_temperature, cfg.eval_samples)
-    greedy = eval_episodes(run, step, 0.0, 1) if cfg.eval_temperature > 0 else []
+    greedy = []
+    if cfg.eval_temperature > 0:
+        greedy = eval_episodes(run, step, 0.0, 1)
     if run.rank != 0:
         return {}
     m = {}
@@ -1352,17 +1412,23 @@ def evaluate(run, step: int, record: bool = False) -> dict:
             f.writelines(json.dumps(r) + "\n" for r in recs)
         for fn in run.turn_fns + run.outcome_fns:
             n = reward_name(fn)
-            m[f"eval/{prefix}{n}"] = float(np.mean([r["rewards"][n] for r in recs]))
-        m[f"eval/{prefix}answered"] = float(np.mean([r["end_reason"] == "answer" for r in recs]))
-    how = f"temperature {cfg.eval_temperature}, seeded" if cfg.eval_temperature > 0 else "greedy"
+            values = [r["rewards"][n] for r in recs]
+            m[f"eval/{prefix}{n}"] = float(np.mean(values))
+        answered = [r["end_reason"] == "answer" for r in recs]
+        m[f"eval/{prefix}answered"] = float(np.mean(answered))
+    how = "greedy"
+    if cfg.eval_temperature > 0:
+        how = f"temperature {cfg.eval_temperature}, seeded"
     print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, {how} -> {', '.join(files)}")
     print("| metric | mean |\n|---|---|")
     for k, v in m.items():
         print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
     m["time/eval"] = time.time() - t0
     if record:
-        with open(os.path.join(cfg.output_dir, "eval", "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "model": run.src, **m}) + "\n")
+        path = os.path.join(cfg.output_dir, "eval", "metrics.jsonl")
+        with open(path, "a") as f:
+            line = {"step": step, "model": run.src, **m}
+            f.write(json.dumps(line) + "\n")
     return m
 
 
@@ -1370,24 +1436,25 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
     """`samples` episodes of each eval row (each rank takes its share of the rows), scored; on rank 0 every rank's
     records, by row and sample, else []. The sampling is seeded by the run's seed and the step: a rerun is the same."""
     cfg = run.cfg
-    rank = run.rank
     world = run.world
-    mine = [(i, j) for i in range(rank, len(run.eval_rows), world) for j in range(samples)]  # (row, sample) pairs
+    my_rows = range(run.rank, len(run.eval_rows), world)
+    mine = [(i, j) for i in my_rows for j in range(samples)]  # (row, sample) pairs
     chunk = cfg.prompts_per_step * cfg.num_generations // world
     generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
     eps = []
     for k in range(0, len(mine), chunk):
-        rows = [run.eval_rows[i] for i, _ in mine[k : k + chunk]]
+        batch = mine[k : k + chunk]
+        rows = [run.eval_rows[i] for i, _ in batch]
         eps += run.env.rollout(rows, run.sampler, generator, eval_temperature=temperature)
     if eps:  # bounded by reward_timeout; a signal waits for the step's end
-        score(eps, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
-        score(eps, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+        record_rewards(run, eps)
     kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
     records = []
     for (i, j), ep in zip(mine, eps):
         fields = {k: getattr(ep, k) for k in kept}
         records.append({"step": step, "row": i, "sample": j, **fields})
-    records = [r for part in gather_to_rank0(records) for r in part]
+    gathered = gather_to_rank0(records)  # one list per rank
+    records = [r for part in gathered for r in part]
     return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
 
@@ -1395,15 +1462,19 @@ def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        argv = sys.argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
     if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
-        sys.exit(load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])(argv[1:]))
+        tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
+        sys.exit(tool(argv[1:]))
     eval_only = argv[0] == "eval"
     if argv[0] in ("train", "eval"):
         argv = argv[1:]
-    recipe = argv[0] if argv and not argv[0].count("=") else None
+    recipe = None  # only key=value overrides: the default recipe
+    if argv and "=" not in argv[0]:
+        recipe = argv[0]
     try:
         say = print if os.environ.get("RANK", "0") == "0" else None
         cfg = load_config(recipe, argv[1:] if recipe else argv, say)
@@ -1725,7 +1796,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     if run.sampler.policy_version is not None:  # in-process they are the trainer's
         run.check_logprobs_mode(prompt_ids)
     quiet = not run.is_main or not sys.stderr.isatty()  # the step lines say it all in a file; a bar would tangle them
-    bar = dict(initial=run.start, total=cfg.max_steps, desc="mt-grpo", dynamic_ncols=True, disable=quiet)
+    bar = {"initial": run.start, "total": cfg.max_steps, "desc": "mt-grpo", "dynamic_ncols": True, "disable": quiet}
     run.steps = tqdm(range(run.start, cfg.max_steps), **bar)
     run.logger = MetricsLogger(cfg, run.rank, run.world, run.start, run.steps.write)
     run.rollouts = RolloutProducer(run, run.start)
@@ -1776,8 +1847,7 @@ def load_plugins(run: Run, eval_only: bool):
     dummy = [new_episode(r, system_prompt_for(cfg, run.tools)) for r in run.rows[:2]]
     for ep in dummy:
         ep.messages.append({"role": "assistant", "content": "."})
-    score(dummy, run.turn_fns, [1.0] * len(run.turn_fns), cfg.reward_timeout, per_turn=True)
-    score(dummy, run.outcome_fns, [1.0] * len(run.outcome_fns), cfg.reward_timeout)
+    record_rewards(run, dummy)
     if cfg.max_staleness and (not cfg.vllm_server_url or cfg.sync_every != 1):
         raise ConfigError(
             f"max_staleness={cfg.max_staleness} needs a vLLM server (vllm_server_url; run.sh starts one) and "
@@ -2173,7 +2243,7 @@ def summarize(cfg: Config, history: list[dict]):
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
-            plot = load_object(os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py:plot"), "plot")
+            plot = load_object(os.path.join(HERE, "plot.py:plot"), "plot")
             files += ", " + os.path.basename(plot([cfg.output_dir], os.path.join(cfg.output_dir, "curves.png")))
         except Exception as e:  # a picture is never worth a failed run
             print(f"[mt-grpo] warning: curves.png not drawn: {type(e).__name__}: {e}")
@@ -2963,6 +3033,27 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
     }
 
 
+LOGPROB_CHUNK = 2**24  # logits elements per float32 chunk in chunk_logprobs (64 MB)
+
+
+def chunk_logprobs(logits, targets, temperature: float):
+    """log_softmax(logits / temperature)[targets] for [N, vocab] logits. With a large vocabulary an [N, vocab] float32
+    log-softmax would be most of the activation memory, so float32 exists a chunk of tokens at a time and is
+    recomputed in backward (checkpoint): only the model-dtype logits are kept."""
+    if temperature <= 0:  # greedy: scored at temperature 1
+        temperature = 1.0
+
+    def chunk(x, y):
+        logp = torch.log_softmax(x.float() / temperature, -1)
+        return logp.gather(-1, y[:, None]).squeeze(-1)
+
+    n = max(1, LOGPROB_CHUNK // logits.shape[-1])  # tokens per chunk
+    parts = []
+    for x, y in zip(logits.split(n), targets.split(n)):
+        parts.append(torch.utils.checkpoint.checkpoint(chunk, x, y, use_reentrant=False))
+    return torch.cat(parts)
+
+
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
     """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
     in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
@@ -3017,8 +3108,13 @@ def save_checkpoint(cfg: Config, step: int, model, tokenizer, optimizer, schedul
         return final
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = dict(step=step, optimizer=optim_sd, scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
-    state["rng"] = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    state = {
+        "step": step,
+        "optimizer": optim_sd,
+        "scheduler": scheduler.state_dict(),
+        "config": dataclasses.asdict(cfg),
+    }
+    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     state["rng"]["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         model.save_pretrained(tmp, state_dict=model_sd)
@@ -3131,7 +3227,7 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
     # what the checkpoint's run used (before "config" was saved: what its optimizer holds), replaced by the recipe's,
     # so that config.yaml records what is used. The schedule's function is the recipe's (LambdaLR saves no function).
     g = optimizer.param_groups[0]
-    old = dict(learning_rate=g["initial_lr"], weight_decay=g["weight_decay"], adam_betas=list(g["betas"]))
+    old = {"learning_rate": g["initial_lr"], "weight_decay": g["weight_decay"], "adam_betas": list(g["betas"])}
     old.update(state.get("config", {}))
     keys = "learning_rate lr_scheduler warmup_steps max_steps num_iterations weight_decay adam_betas".split()
     changed = [f"{k} {old[k]} -> {getattr(cfg, k)}" for k in keys if k in old and old[k] != getattr(cfg, k)]
@@ -3165,6 +3261,9 @@ def restore(cfg: Config, ckpt: str, model, optimizer, scheduler, world: int, is_
 
 
 # === F. Loading recipes, plug-ins and data; small utilities =========================
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # this file's folder: shipped recipes, plug-ins, plot.py
 
 
 class ConfigError(ValueError):
@@ -3249,7 +3348,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)  # a shipped recipe, from any folder
+        here = os.path.join(HERE, path)  # a shipped recipe, from any folder
         path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
             raise ConfigError(f"recipe not found: {path}")
@@ -3319,7 +3418,7 @@ def locate_paths(cfg: Config, recipe: str | None, say=None):
     this file's folder. model_name_or_path is taken where model_builder's file was found (so a missing model is built
     beside its builder), else where it exists; a hub id stays as it is. `say` names each folder used past the first."""
     bases = [os.path.dirname(os.path.abspath(recipe))] if recipe else []
-    bases += [os.getcwd(), os.path.dirname(os.path.abspath(__file__))]
+    bases += [os.getcwd(), HERE]
     found_in = {}  # path as written -> the folder it was found in
 
     def find(p: str, only: str | None = None) -> str:
@@ -3410,7 +3509,7 @@ def load_object(spec: str, what: str = "object"):
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    here = os.path.join(HERE, path)
     full = path if os.path.isfile(path) else here if os.path.isfile(here) else None
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
@@ -3576,7 +3675,7 @@ def system_prompt_for(cfg: Config, tools: list) -> str:
 
 
 class TokenizationMismatch(RuntimeError):
-    pass
+    """A sample's last prompt is not what a fresh rendering gives (I5; see ChatTemplate.check_tokenization)."""
 
 
 class CheckpointError(RuntimeError):
@@ -3597,6 +3696,13 @@ class Stopped(RewardError):
 
 def reward_name(fn) -> str:
     return getattr(fn, "__name__", str(fn))
+
+
+def record_rewards(run, episodes: list[Episode]):
+    """Each reward function's own value on every episode, in ep.rewards (what evaluation reports), unweighted."""
+    timeout = run.cfg.reward_timeout
+    score(episodes, run.turn_fns, [1.0] * len(run.turn_fns), timeout, per_turn=True)
+    score(episodes, run.outcome_fns, [1.0] * len(run.outcome_fns), timeout)
 
 
 def call_reward(fn, completions: list, columns: dict, timeout: float, stop_event=None, per_turn=False) -> list:

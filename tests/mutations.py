@@ -56,8 +56,8 @@ MUTATIONS = [
     ),
     Mutation(
         "importance weight dropped",
-        "per_token = -torch.min(ratio * adv, clipped * adv) * (1.0 if is_weight is None else is_weight)",
-        "per_token = -torch.min(ratio * adv, clipped * adv)",
+        "per_token = per_token * is_weight",
+        "per_token = per_token",
         ["tests/test_loss.py", "-k", "direct_computation or importance"],
     ),
     Mutation(
@@ -74,8 +74,8 @@ MUTATIONS = [
     ),
     Mutation(
         "MT-GRPO split moved one turn later",
-        "float(o + t if i < split else o)",
-        "float(o + t if i <= split else o)",
+        "split = ep.first_result_turn or len(ep.turns)",
+        "split = min((ep.first_result_turn or len(ep.turns)) + 1, len(ep.turns))",
         ["tests/test_advantages.py"],
     ),
     Mutation(
