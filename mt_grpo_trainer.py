@@ -587,10 +587,7 @@ def mt_grpo_merged_fallback_advantages(episodes: list[Episode], turn_R, outcome_
 def grpo_outcome_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
     """GRPO-OR: the outcome reward only, on every turn."""
     outcome = group_normalize(outcome_R, cfg.scale_rewards)
-    advantages = []
-    for ep, a in zip(episodes, outcome):
-        advantages.append([float(a)] * len(ep.turns))
-    return advantages
+    return on_every_turn(episodes, outcome)
 
 
 def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
@@ -598,10 +595,15 @@ def grpo_merged_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Conf
     turn_rewards = [sum(r) for r in turn_R]
     rewards = np.add(turn_rewards, outcome_R)
     merged = group_normalize(rewards, cfg.scale_rewards)
-    advantages = []
-    for ep, a in zip(episodes, merged):
-        advantages.append([float(a)] * len(ep.turns))
-    return advantages
+    return on_every_turn(episodes, merged)
+
+
+def on_every_turn(episodes: list[Episode], values) -> PerTurn:
+    """One value per episode, given to each of its turns."""
+    per_turn = []
+    for ep, value in zip(episodes, values):
+        per_turn.append([float(value)] * len(ep.turns))
+    return per_turn
 
 
 def reward_to_go_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
