@@ -193,28 +193,27 @@ def close(run):
 
 
 def cases(which: list[str], recipe: list[str]):
-    """(case, run, samples, cfg) for each case asked for; the toy's run serves the prompt and turns cases."""
+    """(its name, run, samples, cfg) for each case asked for; the toy's run serves the prompt and turns cases."""
     if recipe:
         run, samples = rollout(recipe[0], "recipe", recipe[1:])
-        NAMES["recipe"] = f"{os.path.basename(recipe[0])} with {len(recipe) - 1} overrides"
         print(f"[bench] recipe case: {' '.join(recipe)}")
-        yield "recipe", run, samples, run.cfg
+        yield f"{os.path.basename(recipe[0])} with {len(recipe) - 1} overrides", run, samples, run.cfg
         close(run)
-    if not set(which) & {"toy", "prompt", "turns", "tree"}:
+    if not which:
         return
     toy_run, toy_samples = rollout(TOY, "toy", [])
     vocab = toy_run.model.config.vocab_size
     budget = dataclasses.replace(toy_run.cfg, max_tokens_per_microbatch=16384)
     if "toy" in which:
-        yield "toy", toy_run, toy_samples, toy_run.cfg
+        yield NAMES["toy"], toy_run, toy_samples, toy_run.cfg
     if "prompt" in which:
-        yield "prompt", toy_run, long_prompt(toy_samples, vocab), budget
+        yield NAMES["prompt"], toy_run, long_prompt(toy_samples, vocab), budget
     if "turns" in which:
-        yield "turns", toy_run, long_episodes(vocab), budget
+        yield NAMES["turns"], toy_run, long_episodes(vocab), budget
     close(toy_run)
     if "tree" in which:
         tree_run, tree_samples = rollout(CHAIN, "tree", METHODS["tree"][1])
-        yield "tree", tree_run, tree_samples, tree_run.cfg
+        yield NAMES["tree"], tree_run, tree_samples, tree_run.cfg
         close(tree_run)
 
 
@@ -228,7 +227,7 @@ def main():
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores (shared)"
     results = {}
     for case, run, samples, cfg in cases(args.cases, args.recipe):
-        print(f"[bench] {NAMES[case]}: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens")
+        print(f"[bench] {case}: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens")
         results[case] = measure(run, samples, cfg, args.repeats)
     print(f"\n{device}; median of {args.repeats} train steps each, alternating\n")
     print(
@@ -239,7 +238,7 @@ def main():
     for case, r in results.items():
         pk, pd = r["packed"], r["padded"]
         print(
-            f"| {NAMES[case]} | {r['tokens']} | {r['trained']} | {pk['held']:.0f} | "
+            f"| {case} | {r['tokens']} | {r['trained']} | {pk['held']:.0f} | "
             f"{pk['processed']:.0f} | {pd['processed']:.0f} | "
             f"{pk['time']:.3f} | {pd['time']:.3f} | {pk['peak_mb']:.1f} | {pd['peak_mb']:.1f} | "
             f"{pk['loss'] - pd['loss']:.1e} |"
@@ -248,7 +247,7 @@ def main():
     for case, r in results.items():
         pk, pd = r["packed"], r["padded"]
         print(
-            f"{NAMES[case]}: processed/trained {pk['processed'] / r['trained']:.2f} packed vs "
+            f"{case}: processed/trained {pk['processed'] / r['trained']:.2f} packed vs "
             f"{pd['processed'] / r['trained']:.2f} padded; step time {pk['time'] / pd['time']:.2f}x; "
             f"peak memory {pk['peak_mb'] / pd['peak_mb']:.2f}x; floor (distinct/trained) {pk['held'] / r['trained']:.2f}"
         )
