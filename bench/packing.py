@@ -94,7 +94,8 @@ def padded_microbatches(samples, cfg) -> list[list]:
 def padded_prepare(model, ref_model, samples, cfg, pad_id, device) -> tuple:
     groups = padded_microbatches(samples, cfg)
     processed = sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
-    return [padded_collate(g, pad_id, device) for g in groups], {"train/processed_tokens": processed}
+    metrics = {"train/processed_tokens": processed, "train/micro_batches": len(groups)}
+    return [padded_collate(g, pad_id, device) for g in groups], metrics
 
 
 @contextlib.contextmanager

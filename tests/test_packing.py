@@ -4,6 +4,7 @@ alone and unpadded. What is compared: every trained token's logprob and the grad
 with the batch's shape), and whole train_on_samples updates (metrics and weights) against the same update with every
 sample in a micro-batch of its own."""
 
+import contextlib
 import os
 import random
 
@@ -290,3 +291,30 @@ def test_a_model_whose_mask_packing_cannot_set_is_refused_at_load(tmp_path, tok)
     cfg = recipe_cfg(tmp_path, f"model_name_or_path={tmp_path}")
     with pytest.raises(M.ConfigError, match="is a gpt2 model, which packed training does not support; use a model"):
         M.load_models(cfg, str(tmp_path), CPU)
+
+
+def test_the_benches_padded_baseline_makes_the_packed_update_and_reports_what_they_read(tiny_model_dir, tmp_path):
+    """bench/packing.py and bench/gpu_step.py compare packed steps against `padded()`, the micro-batches before
+    packing: both must train the same samples to the same update, and report the metrics the benches print."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from packing import padded
+
+    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tiny_model_dir}", "learning_rate=1.0", "max_grad_norm=0")
+    out = []
+    for baseline in (contextlib.nullcontext, padded):
+        with baseline():
+            _, model, ref_model, policy, _, _ = M.load_models(cfg, tiny_model_dir, CPU)
+            samples = random_group(model.config.vocab_size, [60, 25, 90], shared=20, seed=1)
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+            metrics = M.train_on_samples(policy, ref_model, opt, sched, samples, cfg, 0)
+            out.append((metrics, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (packed_m, packed_w), (padded_m, padded_w) = out
+    for k in ("loss/policy", "loss/grad_norm"):
+        assert packed_m[k] == pytest.approx(padded_m[k], rel=1e-5), k
+    torch.testing.assert_close(packed_w, padded_w, rtol=1e-5, atol=1e-6)
+    assert padded_m["train/processed_tokens"] == 3 * 90, "one padded row per sample, each the longest's length"
+    assert packed_m["train/processed_tokens"] == 20 + 40 + 5 + 70, "the shared 20 tokens once"
+    assert padded_m["train/micro_batches"] >= 1 and packed_m["train/micro_batches"] >= 1
