@@ -122,6 +122,11 @@ class Config:
     """System prompt; `{tools}` is replaced by one line per tool (name, signature, docstring)."""
     tools: list[str] = field(default_factory=lambda: ["tools/kv_lookup.py:lookup"])
     """Tool functions as `file.py:function`; the model calls each by its function name."""
+    agent: str = ""
+    """An agent harness `file.py:fn` instead of `tools`: `fn(row, base_url)` runs its own loop against an
+    OpenAI-compatible endpoint per episode, each request one turn (docs/agents.md)."""
+    agent_timeout: Annotated[float, "> 0"] = 600.0
+    """Seconds a rollout waits for its harnesses; one still running then ends its episode `agent_timeout`."""
     turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
     """Turn-level reward functions (`file.py:function`). Per episode, a number (it scores the turns before the first
     tool result, and sits on the turn that called it) or a list with one number per assistant turn."""
@@ -425,6 +430,7 @@ class Episode:
     boundaries: list[dict] = field(default_factory=list)  # one per turn boundary: kind (tool|user), extends
     thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
+    rewritten: bool = False  # an agent harness edited the messages before this turn: render them in full
     UNDONE = ("forks", "realigns", "realigned_tokens", "thinking_tokens_kept")  # counts a prompt that is undone raises
 
     @property
@@ -1370,6 +1376,7 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
             m.update(episode_metrics(episodes))
             m.update(m_roll)
             m.update(getattr(run.sampler, "stats", dict)())
+            m.update(getattr(run.env, "stats", dict)())  # an agent harness's endpoint
             m["rollout/rejected_nonfinite"] = rejected
             m["time/train"] = t_train
             m["time/step"] = time.time() - t0
@@ -1527,6 +1534,7 @@ class Run:
     stop_event: threading.Event = field(default_factory=threading.Event)  # SIGTERM or a first Ctrl-C sets it
     stop_signal: str = ""  # the name of the signal that set it
     tools: list[typing.Callable] = field(default_factory=list)
+    agent: typing.Callable | None = None  # an agent harness (cfg.agent), which runs its own tools
     turn_fns: list[typing.Callable] = field(default_factory=list)  # turn-level reward functions
     outcome_fns: list[typing.Callable] = field(default_factory=list)  # outcome-level reward functions
     turn_w: list[float] = field(default_factory=list)  # the weights of turn_fns
@@ -1784,6 +1792,8 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
         run.saved[run.start] = ckpt
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
+    if run.agent:
+        run.env = AgentEnv(run.tokenizer, run.agent, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     run.sampler = (
         VLLMServerClient(cfg, run.model.config.vocab_size, eos_ids(run.model, run.tokenizer), run.stop_event, run.say)
@@ -1821,20 +1831,14 @@ def resolve_paths(cfg: Config):
 def load_plugins(run: Run, eval_only: bool):
     cfg = run.cfg
     run.tools = [load_object(s, "tool") for s in cfg.tools]
+    if cfg.agent:
+        run.agent = load_object(cfg.agent, "agent")
+        check_agent(cfg, run.agent)
     run.turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
     run.outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
     specs = cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs
     for i, (spec, fn) in enumerate(zip(specs, run.tools + run.turn_fns + run.outcome_fns)):
-        what = "tool" if i < len(run.tools) else "reward function"
-        lazy = any(  # returns before its body runs
-            inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
-            for f in (fn, type(fn).__call__ if callable(fn) else None)
-        )
-        if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):  # a tool is called by name
-            kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
-            raise ConfigError(
-                f"{what} '{spec}' is {kind}, not a function that returns its result; write it as a plain def"
-            )
+        check_plain_function(spec, fn, "tool" if i < len(run.tools) else "reward function")
     named = {}  # name -> spec: the model calls a tool by name, so a second tool of one name would shadow the first
     for spec, fn in zip(cfg.tools, run.tools):
         if fn.__name__ in named:
@@ -1868,6 +1872,28 @@ def load_plugins(run: Run, eval_only: bool):
     if eval_only and not run.eval_rows:
         raise ConfigError(
             "eval needs eval_dataset (a .jsonl file or file.py:function), e.g. eval_dataset=tasks/triviaqa.py:eval_rows"
+        )
+
+
+def check_plain_function(spec: str, fn, what: str):
+    lazy = any(  # returns before its body runs
+        inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f)
+        for f in (fn, type(fn).__call__ if callable(fn) else None)
+    )
+    if lazy or not callable(fn) or (what == "tool" and not hasattr(fn, "__name__")):  # a tool is called by name
+        kind = "an async def or a generator" if lazy else f"a {type(fn).__name__}"
+        raise ConfigError(f"{what} '{spec}' is {kind}, not a function that returns its result; write it as a plain def")
+
+
+def check_agent(cfg: Config, agent):
+    """An agent harness runs its own tools, one path per episode."""
+    check_plain_function(cfg.agent, agent, "agent")
+    if cfg.tools:
+        raise ConfigError(f"agent '{cfg.agent}' runs its own tools: set tools: [] (it has {cfg.tools})")
+    if cfg.branch_width > 1:
+        raise ConfigError(
+            f"agent '{cfg.agent}' with branch_width={cfg.branch_width}: branching a harness (replaying it up to the "
+            "branch point) is not built; set branch_width: 1"
         )
 
 
@@ -3879,7 +3905,12 @@ class ChatTemplate:
         last = max(ep.sampled_texts)  # the sampled assistant message
         new = ep.messages[last:]
         cfg = self.cfg
-        if self.bridge_checks < 0 or cfg.thinking_retention != "template" or cfg.thinking_compaction_turns:
+        if (
+            self.bridge_checks < 0
+            or cfg.thinking_retention != "template"
+            or cfg.thinking_compaction_turns
+            or ep.rewritten
+        ):
             return None
         if any(map(self.is_query, new)):
             return None
@@ -3947,6 +3978,440 @@ class ChatTemplate:
                 "tokenization_check: ignore_strippable (whitespace-only differences) or off."
             )
         return found
+
+
+# === H. Agent harnesses: an OpenAI-compatible endpoint per episode, each request one turn of the environment ======
+
+AGENT_MODEL = "policy"  # the one model the endpoint serves
+BATCH_WINDOW = 0.05  # seconds the sampling thread waits for one more request, unless every running harness sent one
+TRAINER_ENDS = ("truncated", "max_env_steps", "context")  # the trainer's limits: the episode ends, whatever the harness
+# Request fields, decided one by one (docs/agents.md). Refused with a 400 that names the field, when set otherwise:
+REFUSED = {
+    "n": (1, "one choice per request: each request is one turn of one episode"),
+    "stream": (False, "this endpoint answers whole replies; set stream=False"),
+    "logprobs": (False, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
+    "top_logprobs": (None, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
+    "stop": (None, "the tool format decides where a turn stops"),
+    "presence_penalty": (0, "a penalty changes the distribution the trainer trains on"),
+    "frequency_penalty": (0, "a penalty changes the distribution the trainer trains on"),
+    "logit_bias": (None, "a bias changes the distribution the trainer trains on"),
+}
+OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
+
+
+class AgentError(RuntimeError):
+    """A request the endpoint answers with an error status, which it names."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass
+class AgentEpisode:
+    """The endpoint's side of one episode: its lock (one turn at a time), its replies, how its harness ended."""
+
+    ep: Episode
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    replies: dict[str, str] = field(default_factory=dict)  # a reply message (as JSON) -> the text its turn sampled
+    running: bool = True  # its harness has not returned or raised
+    closed: bool = False  # the harness returned, raised or timed out: later requests get 410
+    checked: int = 0  # samples whose tokenization was checked before the harness edited their messages
+    failure: BaseException | None = None  # the sampler's error, raised by the rollout
+
+
+class AgentEnv(MultiTurnToolEnv):
+    """Episodes run by a harness, `fn(row, base_url)`, that calls an OpenAI-compatible endpoint with its own loop and
+    tools. Each request is one assistant turn of the same environment: `next_prompt` renders the request's messages
+    (extend, REALIGN or fork: a harness that edits its history forks, counted), the run's sampler samples, `step`
+    records the sampled ids (I1) and parses them; the reply is the parsed message. The harness's return value is the
+    episode's `agent_result` column for the reward functions."""
+
+    def __init__(self, tokenizer, agent, cfg: Config):
+        super().__init__(tokenizer, [], cfg)
+        self.agent = agent
+        self.counts = collections.Counter()  # agent/* metrics since the last stats()
+        self.count_lock = threading.Lock()
+
+    def count(self, key: str, n: int = 1):
+        with self.count_lock:
+            self.counts[key] += n
+
+    def stats(self) -> dict:
+        """The agent/* metrics since the last call, logged with the step's."""
+        with self.count_lock:
+            out = {f"agent/{k}": v for k, v in self.counts.items()}
+            self.counts.clear()
+        return out
+
+    def rollout(
+        self, rows: list[dict], sampler, generator=None, eval_temperature: float | None = None
+    ) -> list[Episode]:
+        """Every row's harness at once, each in a thread of its own, against an endpoint that lives for this rollout.
+        A harness that raises ends `agent_error`, one that runs past agent_timeout `agent_timeout`: in training such
+        an episode is left out of its group (its tokens untrained, its reward in no baseline), counted and said; an
+        eval keeps it, with that end_reason."""
+        evaluating = eval_temperature is not None
+        temperature = eval_temperature if evaluating else self.cfg.temperature
+        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))
+        states = {}
+        for i, row in enumerate(rows):
+            ep = Episode(row=dict(row), messages=[], n_prompt_messages=0, group=i // roots_per_prompt(self.cfg))
+            ep.node = (i,)
+            ep.session = next(SESSIONS)
+            states[f"e{ep.session}"] = AgentEpisode(ep)
+        running = lambda: sum(state.running for state in states.values())  # noqa: E731
+        batcher = SamplingQueue(sampler, generator, temperature, self.cfg.top_p, self.stop, running)
+        endpoint = AgentEndpoint(self, states, batcher, room)
+        try:
+            threads = {}
+            for key, state in states.items():
+                url = endpoint.url(key)
+                result = concurrent.futures.Future()
+                threads[key] = result
+                threading.Thread(target=run_harness, args=(self.agent, state, url, result), daemon=True).start()
+            self.wait_for_harnesses(states, threads)
+        finally:
+            endpoint.close()
+            batcher.close()
+        failure = next((s.failure for s in states.values() if s.failure), None)
+        if failure:
+            raise failure  # the sampler failed (a server down): the run stops, as the built-in rollout does
+        eps = [state.ep for state in states.values()]
+        for state in states.values():
+            view = dataclasses.replace(state.ep, samples=state.ep.samples[state.checked :])
+            state.ep.tokenization_mismatches += self.chat.check_tokenization(view)
+        faulted = [ep for ep in eps if ep.end_reason in ("agent_error", "agent_timeout")]
+        for ep in faulted:
+            self.count(ep.end_reason + "s")
+        if faulted and not evaluating:
+            first = faulted[0]
+            print(
+                f"[mt-grpo] {len(faulted)} of {len(eps)} agent episodes failed and are left out of training; "
+                f"the first ({first.end_reason}): {first.row.get('agent_result')}",
+                flush=True,
+            )
+            eps = [ep for ep in eps if ep not in faulted]
+        return eps
+
+    def wait_for_harnesses(self, states: dict, threads: dict):
+        """Each harness's return value as its row's agent_result; a raise or a timeout ends its episode as one."""
+        deadline = time.monotonic() + self.cfg.agent_timeout
+        for key, result in threads.items():
+            state = states[key]
+            ep = state.ep
+            end = ""
+            try:
+                ep.row["agent_result"] = result.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                end = "agent_timeout"
+                ep.row["agent_result"] = f"the harness did not return within agent_timeout={self.cfg.agent_timeout}s"
+            except BaseException as e:  # noqa: BLE001 - the harness's error is the episode's outcome (I6)
+                end = "agent_error"
+                ep.row["agent_result"] = f"{type(e).__name__}: {e}"
+            with state.lock:  # waits for a turn in flight
+                state.closed = True
+                if ep.done and ep.end_reason in TRAINER_ENDS:
+                    end = ""  # the trainer ended it first; the harness may well fail on the 410 that followed
+                if not ep.turns and not end:
+                    end = "agent_error"
+                    ep.row["agent_result"] = "the harness returned without sending a request"
+                if end:
+                    ep.end_reason = end
+                elif not ep.end_reason:
+                    ep.end_reason = "agent_returned"  # after a turn that called tools: the harness stopped
+                ep.done = True
+
+    def turn(self, state: AgentEpisode, body: dict, batcher, room: float) -> dict:
+        """One request: the episode's messages become the request's, then the environment's turn."""
+        ep = state.ep
+        if state.closed or ep.done and ep.end_reason in TRAINER_ENDS:
+            raise AgentError(410, f"this episode has ended ({ep.end_reason or 'the harness returned'})")
+        budget = self.request_budget(body)
+        messages = self.messages_from(body)
+        edited = ep.messages and messages[: len(ep.messages)] != ep.messages
+        if edited:  # the harness changed what it was sent: check the samples so far against it, as they were sampled
+            view = dataclasses.replace(ep, samples=ep.samples[state.checked :])
+            ep.tokenization_mismatches += self.chat.check_tokenization(view)
+            state.checked = len(ep.samples)
+            self.count("history_edits")
+        ep.rewritten = bool(edited)
+        ep.messages = messages
+        if not ep.turns:
+            ep.n_prompt_messages = len(messages)
+        ep.sampled_texts = {}
+        for i, m in enumerate(messages):
+            key = json.dumps(m, sort_keys=True)
+            if key in state.replies:  # a reply the harness sent back as it got it
+                ep.sampled_texts[i] = state.replies[key]
+        ep.done = False
+        ep.end_reason = ""
+        mark = ep.mark()
+        prompt = self.next_prompt(ep)
+        budget = min(budget, room - len(prompt))
+        if budget < 1:
+            ep.undo(mark)
+            ep.done = True
+            ep.end_reason = "context"
+            raise AgentError(
+                400,
+                f"the conversation ({len(prompt)} tokens) leaves no room to sample under "
+                f"max_seq_len={self.cfg.max_seq_len}",
+                "messages",
+            )
+        c = batcher.sample(prompt, budget, ep.session)
+        ep.tool_calls += len(self.step(ep, c))  # calls the harness runs; past max_env_steps none, and the episode ends
+        reply = ep.messages[-1]
+        state.replies[json.dumps(reply, sort_keys=True)] = ep.sampled_texts[len(ep.messages) - 1]
+        return completion_body(ep, reply, c, len(prompt))
+
+    def request_budget(self, body: dict) -> int:
+        """The request's sampling fields against the trainer's (REFUSED, OVERRIDDEN): its max_tokens, capped."""
+        if body.get("model") != AGENT_MODEL:
+            raise AgentError(
+                400,
+                f"model: this endpoint serves {AGENT_MODEL!r}, the policy in training; got {body.get('model')!r}",
+                "model",
+            )
+        for name, (allowed, why) in REFUSED.items():
+            if body.get(name, allowed) not in (allowed, None):
+                raise AgentError(400, f"{name}={body[name]!r} is not served: {why}", name)
+        if body.get("tool_choice", "auto") not in ("auto", None):
+            raise AgentError(400, "tool_choice: only 'auto'; the policy decides whether to call a tool", "tool_choice")
+        if body.get("response_format", {"type": "text"}) not in ({"type": "text"}, None):
+            raise AgentError(400, "response_format: only text; sampling is not constrained", "response_format")
+        for name in OVERRIDDEN:
+            if body.get(name) is not None and body[name] != getattr(self.cfg, name):
+                self.count(f"overridden_{name}")
+        self.set_tools(body.get("tools"))
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.cfg.max_tokens
+        return min(int(asked), self.cfg.max_tokens)
+
+    def set_tools(self, tools):
+        """The request's tool schemas for the chat template: one list for the run (the template renders every
+        episode with it), and only with the native format (XML describes its tools in the system prompt)."""
+        if not tools:
+            return
+        if self.cfg.tool_format != "native":
+            raise AgentError(
+                400,
+                "tools: tool_format xml describes tools in the system prompt; send them there, "
+                "or set tool_format: native",
+                "tools",
+            )
+        with self.count_lock:
+            if self.fmt.schemas is None:
+                self.fmt.schemas = tools
+        if tools != self.fmt.schemas:
+            raise AgentError(
+                400, "tools: differ from the first request's; this endpoint renders one tool list a run", "tools"
+            )
+
+    def messages_from(self, body: dict) -> list[dict]:
+        """OpenAI chat messages -> the tool format's messages, as the environment's own turns write them."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise AgentError(400, "messages: a non-empty list of chat messages is required", "messages")
+        out = []
+        for m in messages:
+            role = m.get("role") if isinstance(m, dict) else None
+            content = m.get("content") or "" if role else ""
+            if isinstance(content, list):  # content parts: text only
+                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                    raise AgentError(400, "messages: only text content parts are served", "messages")
+                content = "".join(p["text"] for p in content)
+            if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+                raise AgentError(
+                    400,
+                    f"messages: a message of role {role!r} with text content is not served "
+                    "(roles: system, user, assistant, tool)",
+                    "messages",
+                )
+            msg = {"role": role, "content": self.chat.norm(content)}
+            if role == "tool":
+                msg = self.fmt.result(msg["content"])
+            calls = m.get("tool_calls") if role == "assistant" else None
+            if calls:
+                msg["tool_calls"] = [tool_call_from(c) for c in calls]
+            out.append(msg)
+        return out
+
+
+def tool_call_from(call) -> dict:
+    """An OpenAI tool call (its arguments a JSON string) -> the template's (its arguments a dict)."""
+    try:
+        function = call["function"]
+        args = function.get("arguments") or "{}"
+        if isinstance(args, str):
+            args = json.loads(args)
+        return {"type": "function", "function": {"name": function["name"], "arguments": args}}
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise AgentError(
+            400, f"messages: a tool call must be {{'function': {{'name', 'arguments'}}}}: {e}", "messages"
+        ) from None
+
+
+def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int) -> dict:
+    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings)."""
+    message = {"role": "assistant", "content": reply["content"]}
+    finish = "length" if c.finish_reason == "length" else "stop"
+    calls = reply.get("tool_calls")
+    if calls:
+        message["tool_calls"] = []
+        for k, call in enumerate(calls):
+            function = {"name": call["function"]["name"], "arguments": json.dumps(call["function"]["arguments"])}
+            message["tool_calls"].append({"id": f"call_{len(ep.turns)}_{k}", "type": "function", "function": function})
+        finish = "tool_calls"
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(c.ids)}
+    usage["total_tokens"] = prompt_tokens + len(c.ids)
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    return {
+        "id": f"chatcmpl-{ep.session}-{len(ep.turns)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": AGENT_MODEL,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def run_harness(agent, state: AgentEpisode, url: str, result: concurrent.futures.Future):
+    try:
+        result.set_result(agent(copy.deepcopy(state.ep.row), url))
+    except BaseException as e:  # noqa: BLE001 - handed to the rollout
+        result.set_exception(e)
+    finally:
+        state.running = False
+
+
+class SamplingQueue:
+    """The episodes' requests, sampled together: a thread collects requests until every running harness has sent one,
+    or none came for BATCH_WINDOW, and calls the sampler once for them (the in-process sampler decodes a batch; a
+    server batches them too). A harness busy with its own tools is not waited for longer than that."""
+
+    def __init__(self, sampler, generator, temperature: float, top_p: float, stop, running):
+        self.sampler = sampler
+        self.running = running  # -> how many harnesses are still running
+        self.kw = dict(temperature=temperature, top_p=top_p, stop=stop, generator=generator)
+        self.requests = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.work, daemon=True, name="agent-sampling")
+        self.thread.start()
+
+    def sample(self, prompt: list[int], budget: int, session: int) -> Completion:
+        fut = concurrent.futures.Future()
+        self.requests.put((prompt, budget, session, fut))
+        return fut.result()
+
+    def work(self):
+        while True:
+            batch = [self.requests.get()]
+            while batch[-1] is not None and len(batch) < self.running():
+                try:
+                    batch.append(self.requests.get(timeout=BATCH_WINDOW))
+                except queue.Empty:
+                    break
+            stopping = batch[-1] is None
+            batch = [b for b in batch if b is not None]
+            if batch:
+                self.generate(batch)
+            if stopping:
+                return
+
+    def generate(self, batch: list):
+        prompts, budgets, sessions, futures = zip(*batch)
+        try:
+            outs = self.sampler.generate(list(prompts), list(budgets), sessions=list(sessions), **self.kw)
+        except BaseException as e:  # noqa: BLE001 - each request's turn raises it
+            for fut in futures:
+                fut.set_exception(e)
+            return
+        for fut, c in zip(futures, outs):
+            fut.set_result(c)
+
+    def close(self):
+        self.requests.put(None)
+        self.thread.join(timeout=60)
+
+
+class AgentEndpoint:
+    """127.0.0.1 on a free port, for one rollout: POST /episodes/<key>/v1/chat/completions and GET .../v1/models.
+    Each episode's URL names it; an unknown one gets 404, one whose harness ended 410, a bad request 400 naming its
+    field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
+
+    def __init__(self, env: AgentEnv, states: dict, batcher: SamplingQueue, room: float):
+        import http.server
+
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                endpoint.handle(self, None)
+
+            def do_POST(self):
+                endpoint.handle(self, self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def log_message(self, *args):
+                pass
+
+        self.env = env
+        self.states = states
+        self.batcher = batcher
+        self.room = room
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 1024  # every episode's harness may connect at once
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint")
+        self.thread.start()
+
+    def url(self, key: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_port}/episodes/{key}/v1"
+
+    def handle(self, handler, raw: bytes | None):
+        try:
+            status, body = 200, self.answer(handler.path, raw)
+        except AgentError as e:
+            kind = "invalid_request_error" if e.status == 400 else "not_found_error" if e.status == 404 else "gone"
+            status, body = e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}
+        data = json.dumps(body).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def answer(self, path: str, raw: bytes | None) -> dict:
+        hit = re.fullmatch(r"/episodes/([^/]+)/v1/(chat/completions|models)", path.split("?")[0])
+        state = self.states.get(hit.group(1)) if hit else None
+        if state is None:
+            raise AgentError(404, f"no episode at {path}: each harness gets its own base_url")
+        if hit.group(2) == "models" or raw is None:
+            return {"object": "list", "data": [{"id": AGENT_MODEL, "object": "model", "owned_by": "mt-grpo"}]}
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise AgentError(400, f"the request body is not JSON: {e}") from None
+        if not state.lock.acquire(blocking=False):  # another thread of this harness is in a turn
+            self.env.count("concurrent_requests")
+            state.lock.acquire()
+        try:
+            return self.env.turn(state, body, self.batcher, self.room)
+        except AgentError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the sampler's error stops the run after this rollout
+            state.failure = state.failure or e
+            raise AgentError(500, f"the trainer's sampler failed: {type(e).__name__}: {e}") from None
+        finally:
+            state.lock.release()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 if __name__ == "__main__":
