@@ -1263,27 +1263,6 @@ def train_on_samples(model, ref_model, optimizer, scheduler, samples: list[Sampl
 # === 7. The training loop ================================================================
 
 
-def step_seed(seed: int, step: int, draw: int = 0, rank: int = 0) -> int:
-    """The seed of one step's prompt draw and sampling: a function of the run's seed, the step, the dynamic-sampling
-    redraw and the rank alone, so a resumed run draws as an unbroken one. Large primes keep the streams apart."""
-    stream = 100_003 * rank + 7_919_993 * draw  # each rank's, each redraw's
-    return seed * 1_000_003 + step + stream
-
-
-def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
-    """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated roots_per_prompt times (G without
-    branching). They depend only on (seed, step, draw), never on what ran before: a resumed run neither repeats nor
-    skips a prompt."""
-    rng = random.Random(step_seed(cfg.seed, step, draw))
-    P = cfg.prompts_per_step
-    if len(rows) >= P:
-        picked = rng.sample(rows, P)
-    else:  # fewer rows than prompts: repeats
-        picked = rng.choices(rows, k=P)
-    roots = roots_per_prompt(cfg)
-    return [r for r in picked for _ in range(roots)]
-
-
 def collect(run, step: int) -> tuple[list[Episode], dict]:
     """Steps 1-3 for this rank's groups: rollout -> reward -> advantage. With filter_zero_spread_groups (DAPO's dynamic
     sampling) a group whose episodes all get zero advantage, which teaches nothing and dilutes the batch, is dropped
@@ -1519,6 +1498,27 @@ def follow_slope(srv_change: torch.Tensor, own_change: torch.Tensor, noise: floa
     if own_sq == 0:
         return 0.0, math.inf
     return float((srv_change * own_change).sum()) / own_sq, math.sqrt(noise / own_sq)
+
+
+def step_seed(seed: int, step: int, draw: int = 0, rank: int = 0) -> int:
+    """The seed of one step's prompt draw and sampling: a function of the run's seed, the step, the dynamic-sampling
+    redraw and the rank alone, so a resumed run draws as an unbroken one. Large primes keep the streams apart."""
+    stream = 100_003 * rank + 7_919_993 * draw  # each rank's, each redraw's
+    return seed * 1_000_003 + step + stream
+
+
+def rows_for_step(rows: list[dict], cfg: Config, step: int, draw: int = 0) -> list[dict]:
+    """P prompts for this step (draw > 0: a dynamic-sampling redraw), each repeated roots_per_prompt times (G without
+    branching). They depend only on (seed, step, draw), never on what ran before: a resumed run neither repeats nor
+    skips a prompt."""
+    rng = random.Random(step_seed(cfg.seed, step, draw))
+    P = cfg.prompts_per_step
+    if len(rows) >= P:
+        picked = rng.sample(rows, P)
+    else:  # fewer rows than prompts: repeats
+        picked = rng.choices(rows, k=P)
+    roots = roots_per_prompt(cfg)
+    return [r for r in picked for _ in range(roots)]
 
 
 @dataclass
@@ -1890,11 +1890,6 @@ def check_agent(cfg: Config, agent):
     check_plain_function(cfg.agent, agent, "agent")
     if cfg.tools:
         raise ConfigError(f"agent '{cfg.agent}' runs its own tools: set tools: [] (it has {cfg.tools})")
-    if cfg.branch_width > 1:
-        raise ConfigError(
-            f"agent '{cfg.agent}' with branch_width={cfg.branch_width}: branching a harness (replaying it up to the "
-            "branch point) is not built; set branch_width: 1"
-        )
 
 
 def hold_output_dir(cfg: Config, say):
@@ -3900,18 +3895,18 @@ class ChatTemplate:
         sampled turn and its tool results): the held text up to the last turn's generation prompt, then the
         template's rendering of only the new messages after a stub of the first message and the last user query.
         Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
-        thinking_retention other than template, and for good once it has differed from the full rendering on one
+        thinking_retention other than template, after an edited history, and for good once it has differed from the full rendering on one
         of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
-        last = max(ep.sampled_texts)  # the sampled assistant message
-        new = ep.messages[last:]
         cfg = self.cfg
         if (
             self.bridge_checks < 0
             or cfg.thinking_retention != "template"
             or cfg.thinking_compaction_turns
-            or ep.rewritten
+            or ep.rewritten  # an agent harness edited what it was sent
         ):
             return None
+        last = max(ep.sampled_texts)  # the sampled assistant message
+        new = ep.messages[last:]
         if any(map(self.is_query, new)):
             return None
         query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
@@ -3984,7 +3979,7 @@ class ChatTemplate:
 
 AGENT_MODEL = "policy"  # the one model the endpoint serves
 BATCH_WINDOW = 0.05  # seconds the sampling thread waits for one more request, unless every running harness sent one
-TRAINER_ENDS = ("truncated", "max_env_steps", "context")  # the trainer's limits: the episode ends, whatever the harness
+TRAINER_ENDS = ("truncated", "max_env_steps", "context", "replay_diverged")  # the trainer ends these, not the harness
 # Request fields, decided one by one (docs/agents.md). Refused with a 400 that names the field, when set otherwise:
 REFUSED = {
     "n": (1, "one choice per request: each request is one turn of one episode"),
@@ -3997,6 +3992,7 @@ REFUSED = {
     "logit_bias": (None, "a bias changes the distribution the trainer trains on"),
 }
 OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 410: "gone", 500: "server_error"}
 
 
 class AgentError(RuntimeError):
@@ -4019,6 +4015,11 @@ class AgentEpisode:
     closed: bool = False  # the harness returned, raised or timed out: later requests get 410
     checked: int = 0  # samples whose tokenization was checked before the harness edited their messages
     failure: BaseException | None = None  # the sampler's error, raised by the rollout
+    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # what the harness returned
+    requests: list[list[dict]] = field(default_factory=list)  # each request's messages, converted
+    bodies: list[dict] = field(default_factory=list)  # each request's reply
+    called: bool = False  # its last reply called a tool: the next request brings the results, a branch point
+    replay: tuple = ((), ())  # a branch's: the requests of the path it branched from, to its own first, and the replies
 
 
 class AgentEnv(MultiTurnToolEnv):
@@ -4053,36 +4054,32 @@ class AgentEnv(MultiTurnToolEnv):
         an episode is left out of its group (its tokens untrained, its reward in no baseline), counted and said; an
         eval keeps it, with that end_reason."""
         evaluating = eval_temperature is not None
-        temperature = eval_temperature if evaluating else self.cfg.temperature
-        room = min(self.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))
-        states = {}
-        for i, row in enumerate(rows):
-            ep = Episode(row=dict(row), messages=[], n_prompt_messages=0, group=i // roots_per_prompt(self.cfg))
-            ep.node = (i,)
-            ep.session = next(SESSIONS)
-            states[f"e{ep.session}"] = AgentEpisode(ep)
-        running = lambda: sum(state.running for state in states.values())  # noqa: E731
-        batcher = SamplingQueue(sampler, generator, temperature, self.cfg.top_p, self.stop, running)
-        endpoint = AgentEndpoint(self, states, batcher, room)
+        temperature = self.cfg.temperature
+        if evaluating:  # one path a row, at the eval's temperature
+            temperature = eval_temperature
+        branching = self.cfg.branch_width > 1 and not evaluating
+        endpoint = AgentEndpoint(self, sampler, generator, temperature, branching)
         try:
-            threads = {}
-            for key, state in states.items():
-                url = endpoint.url(key)
-                result = concurrent.futures.Future()
-                threads[key] = result
-                threading.Thread(target=run_harness, args=(self.agent, state, url, result), daemon=True).start()
-            self.wait_for_harnesses(states, threads)
+            for i, row in enumerate(rows):
+                ep = Episode(row=dict(row), messages=[], n_prompt_messages=0, group=i // roots_per_prompt(self.cfg))
+                ep.node = (i,)
+                ep.session = next(SESSIONS)
+                endpoint.start(AgentEpisode(ep))
+            states = self.wait_for_harnesses(endpoint)
         finally:
             endpoint.close()
-            batcher.close()
-        failure = next((s.failure for s in states.values() if s.failure), None)
+        failure = next((s.failure for s in states if s.failure), None)
         if failure:
             raise failure  # the sampler failed (a server down): the run stops, as the built-in rollout does
-        eps = [state.ep for state in states.values()]
-        for state in states.values():
+        for state in states:
             view = dataclasses.replace(state.ep, samples=state.ep.samples[state.checked :])
             state.ep.tokenization_mismatches += self.chat.check_tokenization(view)
-        faulted = [ep for ep in eps if ep.end_reason in ("agent_error", "agent_timeout")]
+        eps = [state.ep for state in states if state.ep.end_reason != "replay_diverged"]
+        if len(eps) < len(states):
+            self.count("replays_dropped", len(states) - len(eps))
+        eps.sort(key=lambda ep: ep.node)  # a group's episodes together, each path after the one it branched from
+        faults = ("agent_error", "agent_timeout")
+        faulted = [ep for ep in eps if ep.end_reason in faults]
         for ep in faulted:
             self.count(ep.end_reason + "s")
         if faulted and not evaluating:
@@ -4092,44 +4089,53 @@ class AgentEnv(MultiTurnToolEnv):
                 f"the first ({first.end_reason}): {first.row.get('agent_result')}",
                 flush=True,
             )
-            eps = [ep for ep in eps if ep not in faulted]
+            eps = [ep for ep in eps if ep.end_reason not in faults]
         return eps
 
-    def wait_for_harnesses(self, states: dict, threads: dict):
-        """Each harness's return value as its row's agent_result; a raise or a timeout ends its episode as one."""
+    def wait_for_harnesses(self, endpoint) -> list[AgentEpisode]:
+        """Each harness's return value as its row's agent_result; a raise or a timeout ends its episode as one. The
+        branches a harness's episode makes while it runs are waited for too. Returns every episode's state."""
         deadline = time.monotonic() + self.cfg.agent_timeout
-        for key, result in threads.items():
-            state = states[key]
-            ep = state.ep
-            end = ""
-            try:
-                ep.row["agent_result"] = result.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                end = "agent_timeout"
-                ep.row["agent_result"] = f"the harness did not return within agent_timeout={self.cfg.agent_timeout}s"
-            except BaseException as e:  # noqa: BLE001 - the harness's error is the episode's outcome (I6)
-                end = "agent_error"
-                ep.row["agent_result"] = f"{type(e).__name__}: {e}"
-            with state.lock:  # waits for a turn in flight
-                state.closed = True
-                if ep.done and ep.end_reason in TRAINER_ENDS:
-                    end = ""  # the trainer ended it first; the harness may well fail on the 410 that followed
-                if not ep.turns and not end:
-                    end = "agent_error"
-                    ep.row["agent_result"] = "the harness returned without sending a request"
-                if end:
-                    ep.end_reason = end
-                elif not ep.end_reason:
-                    ep.end_reason = "agent_returned"  # after a turn that called tools: the harness stopped
-                ep.done = True
+        done = 0
+        while done < len(endpoint.states):
+            for state in list(endpoint.states.values())[done:]:
+                done += 1
+                self.finish(state, deadline)
+        return list(endpoint.states.values())
 
-    def turn(self, state: AgentEpisode, body: dict, batcher, room: float) -> dict:
+    def finish(self, state: AgentEpisode, deadline: float):
+        ep = state.ep
+        end = ""
+        try:
+            ep.row["agent_result"] = state.result.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            end = "agent_timeout"
+            ep.row["agent_result"] = f"the harness did not return within agent_timeout={self.cfg.agent_timeout}s"
+        except BaseException as e:  # noqa: BLE001 - the harness's error is the episode's outcome (I6)
+            end = "agent_error"
+            ep.row["agent_result"] = f"{type(e).__name__}: {e}"
+        with state.lock:  # waits for a turn in flight
+            state.closed = True
+            trainer_ended = ep.done and ep.end_reason in TRAINER_ENDS  # the harness may fail on the 410 after it
+            if not ep.turns and not end and not trainer_ended:
+                end = "agent_error"
+                ep.row["agent_result"] = "the harness returned without sending a request"
+            if end and not trainer_ended:
+                ep.end_reason = end
+            elif not ep.end_reason:
+                ep.end_reason = "agent_returned"  # after a turn that called tools: the harness stopped
+            ep.done = True
+
+    def turn(self, state: AgentEpisode, body: dict, endpoint) -> dict:
         """One request: the episode's messages become the request's, then the environment's turn."""
         ep = state.ep
         if state.closed or ep.done and ep.end_reason in TRAINER_ENDS:
             raise AgentError(410, f"this episode has ended ({ep.end_reason or 'the harness returned'})")
         budget = self.request_budget(body)
         messages = self.messages_from(body)
+        replayed = self.replay_or_branch(state, messages, endpoint)
+        if replayed:
+            return replayed
         edited = ep.messages and messages[: len(ep.messages)] != ep.messages
         if edited:  # the harness changed what it was sent: check the samples so far against it, as they were sampled
             view = dataclasses.replace(ep, samples=ep.samples[state.checked :])
@@ -4137,7 +4143,7 @@ class AgentEnv(MultiTurnToolEnv):
             state.checked = len(ep.samples)
             self.count("history_edits")
         ep.rewritten = bool(edited)
-        ep.messages = messages
+        ep.messages = list(messages)  # step appends the reply; the request stays as it came
         if not ep.turns:
             ep.n_prompt_messages = len(messages)
         ep.sampled_texts = {}
@@ -4149,7 +4155,7 @@ class AgentEnv(MultiTurnToolEnv):
         ep.end_reason = ""
         mark = ep.mark()
         prompt = self.next_prompt(ep)
-        budget = min(budget, room - len(prompt))
+        budget = min(budget, endpoint.room - len(prompt))
         if budget < 1:
             ep.undo(mark)
             ep.done = True
@@ -4160,11 +4166,38 @@ class AgentEnv(MultiTurnToolEnv):
                 f"max_seq_len={self.cfg.max_seq_len}",
                 "messages",
             )
-        c = batcher.sample(prompt, budget, ep.session)
-        ep.tool_calls += len(self.step(ep, c))  # calls the harness runs; past max_env_steps none, and the episode ends
+        c = endpoint.batcher.sample(prompt, budget, ep.session)
+        calls = self.step(ep, c)  # the calls the harness runs; past max_env_steps none, and the episode ends
+        ep.tool_calls += len(calls)
+        state.called = bool(calls)
         reply = ep.messages[-1]
         state.replies[json.dumps(reply, sort_keys=True)] = ep.sampled_texts[len(ep.messages) - 1]
-        return completion_body(ep, reply, c, len(prompt))
+        state.bodies.append(completion_body(ep, reply, c, len(prompt)))
+        return state.bodies[-1]
+
+    def replay_or_branch(self, state: AgentEpisode, messages: list[dict], endpoint) -> dict | None:
+        """A branch replays the path it branched from: those requests get the recorded replies (returned), and one that
+        differs drops the branch. At a branch point (a request that brings tool results) the episode branches."""
+        ep = state.ep
+        k = len(state.requests)  # this request's index
+        state.requests.append(messages)
+        recorded, replies = state.replay
+        if k < len(recorded) and messages != recorded[k]:
+            ep.done = True
+            ep.end_reason = "replay_diverged"
+            raise AgentError(
+                410,
+                "this branch's harness sent another request than the path it branched from (a tool "
+                "that is not deterministic?): the branch is dropped",
+            )
+        if k < len(replies):
+            state.bodies.append(replies[k])
+            return replies[k]
+        if endpoint.branching and state.called and k >= len(recorded) and len(ep.node) <= self.cfg.branch_depth:
+            for clone in self.branch(ep):  # from the tokens before this request: its tool results are the branch's
+                replay = (list(state.requests), list(state.bodies))
+                endpoint.start(AgentEpisode(clone, replies=dict(state.replies), checked=state.checked, replay=replay))
+        return None
 
     def request_budget(self, body: dict) -> int:
         """The request's sampling fields against the trainer's (REFUSED, OVERRIDDEN): its max_tokens, capped."""
@@ -4276,11 +4309,11 @@ def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int)
     }
 
 
-def run_harness(agent, state: AgentEpisode, url: str, result: concurrent.futures.Future):
+def run_harness(agent, state: AgentEpisode, url: str):
     try:
-        result.set_result(agent(copy.deepcopy(state.ep.row), url))
+        state.result.set_result(agent(copy.deepcopy(state.ep.row), url))
     except BaseException as e:  # noqa: BLE001 - handed to the rollout
-        result.set_exception(e)
+        state.result.set_exception(e)
     finally:
         state.running = False
 
@@ -4339,7 +4372,7 @@ class AgentEndpoint:
     Each episode's URL names it; an unknown one gets 404, one whose harness ended 410, a bad request 400 naming its
     field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
 
-    def __init__(self, env: AgentEnv, states: dict, batcher: SamplingQueue, room: float):
+    def __init__(self, env: AgentEnv, sampler, generator, temperature: float, branching: bool):
         import http.server
 
         endpoint = self
@@ -4357,9 +4390,12 @@ class AgentEndpoint:
                 pass
 
         self.env = env
-        self.states = states
-        self.batcher = batcher
-        self.room = room
+        self.states = {}  # URL key -> an episode's state, in the order started (branches after their root)
+        self.lock = threading.Lock()
+        self.branching = branching  # branch_width > 1, in training: a harness's episode branches as a built-in one
+        self.room = min(env.cfg.max_seq_len, getattr(sampler, "max_model_len", math.inf))
+        running = lambda: sum(state.running for state in list(self.states.values()))  # noqa: E731
+        self.batcher = SamplingQueue(sampler, generator, temperature, env.cfg.top_p, env.stop, running)
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
@@ -4369,14 +4405,19 @@ class AgentEndpoint:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint")
         self.thread.start()
 
-    def url(self, key: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}/episodes/{key}/v1"
+    def start(self, state: AgentEpisode):
+        """The episode's harness, in a thread of its own, at a URL of its own."""
+        with self.lock:
+            key = f"e{len(self.states)}"
+            self.states[key] = state
+        url = f"http://127.0.0.1:{self.server.server_port}/episodes/{key}/v1"
+        threading.Thread(target=run_harness, args=(self.env.agent, state, url), daemon=True).start()
 
     def handle(self, handler, raw: bytes | None):
         try:
             status, body = 200, self.answer(handler.path, raw)
         except AgentError as e:
-            kind = "invalid_request_error" if e.status == 400 else "not_found_error" if e.status == 404 else "gone"
+            kind = ERROR_TYPES[e.status]
             status, body = e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}
         data = json.dumps(body).encode()
         handler.send_response(status)
@@ -4400,7 +4441,7 @@ class AgentEndpoint:
             self.env.count("concurrent_requests")
             state.lock.acquire()
         try:
-            return self.env.turn(state, body, self.batcher, self.room)
+            return self.env.turn(state, body, self)
         except AgentError:
             raise
         except BaseException as e:  # noqa: BLE001 - the sampler's error stops the run after this rollout
@@ -4412,6 +4453,7 @@ class AgentEndpoint:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+        self.batcher.close()
 
 
 if __name__ == "__main__":

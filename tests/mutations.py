@@ -184,6 +184,30 @@ MUTATIONS = [
         "            return k <= q",
         ["tests/test_packing.py", "-k", "block_mask"],
     ),
+    Mutation(
+        "an agent harness's request is recorded as the list the episode's reply is appended to",
+        "        ep.messages = list(messages)  # step appends the reply; the request stays as it came",
+        "        ep.messages = messages",
+        ["tests/test_agent.py", "-k", "built_in_environments_episodes"],
+    ),
+    Mutation(
+        "a branch's replayed requests are not compared with the recorded ones",
+        "        if k < len(recorded) and messages != recorded[k]:",
+        "        if False:",
+        ["tests/test_agent.py", "-k", "replayed_requests_differ"],
+    ),
+    Mutation(
+        "the bridge is used after a harness edited its history",
+        "            or ep.rewritten  # an agent harness edited what it was sent",
+        "            or False",
+        ["tests/test_agent.py", "-k", "edits_its_history"],
+    ),
+    Mutation(
+        "a harness's error replaces the end the trainer gave its episode",
+        "            if end and not trainer_ended:",
+        "            if end:",
+        ["tests/test_agent.py", "-k", "faults"],
+    ),
 ]
 
 

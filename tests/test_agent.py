@@ -1,0 +1,448 @@
+"""Agent harnesses (appendix H): a harness runs its own loop with the real `openai` client against an endpoint per
+episode, and each request is one turn of the same environment. What is checked: the trained tokens are the sampled
+ones after exactly the prompt the sampler saw (I1), native tool calls (several in one turn) go out as `tool_calls` and
+come back as the same messages (so the sample extends), a harness that edits its history forks, the request fields
+the trainer refuses or overrides, and every fault as a counted outcome (I6), with nothing left listening."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+import mt_grpo_trainer as M
+from conftest import recipe_cfg
+from test_env import char_ids
+from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
+from tools.kv_lookup import TABLE
+
+TOY_AGENT = "tasks/toy_kv_agent.py:agent"
+
+
+class ByPrompt:
+    """A sampler that answers each prompt by its text: `reply(text) -> sampled text`, as non-canonical token ids
+    (one per character) with made-up logprobs, and an end token where `end` is set. Records prompts and replies."""
+
+    policy_version = None
+
+    def __init__(self, tok, reply, end: int | None = None, finish="stop"):
+        self.tok = tok
+        self.reply = reply
+        self.end = end
+        self.finish = finish
+        self.turns = []  # (prompt ids, sampled ids, logprobs), in the order sampled
+        self.batches = []  # the prompts of each generate call
+        self.temperatures = []
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+        outs = []
+        self.temperatures.append(temperature)
+        self.batches.append(len(prompts))
+        for p in prompts:
+            ids = char_ids(self.tok, self.reply(self.tok.decode(p)))
+            if self.end is not None:
+                ids.append(self.end)
+            logprobs = [-0.01 * (j + 1) for j in range(len(ids))]
+            with self.lock:
+                self.turns.append((list(p), ids, logprobs))
+            finish = self.finish(self.tok.decode(p)) if callable(self.finish) else self.finish
+            outs.append(M.Completion(ids, logprobs, finish))
+        return outs
+
+    def close(self):
+        pass
+
+
+def toy_reply(text: str) -> str:
+    """The toy's protocol: look the key up, then answer with the result."""
+    if "<result>" not in text:
+        key = text.split('"')[1]
+        return f"<reasoning>look</reasoning>\n<tool>{json.dumps({'name': 'lookup', 'args': {'key': key}})}</tool>"
+    value = text.rsplit("<result>\n", 1)[1].split("\n</result>")[0]
+    return f"<reasoning>found</reasoning>\n<answer>{value}</answer>"
+
+
+def agent_env(tok, tmp_path, agent, *overrides):
+    cfg = recipe_cfg(tmp_path, "tools=[]", f"agent={TOY_AGENT}", *overrides)
+    return M.AgentEnv(tok, agent, cfg)
+
+
+def rows(keys):
+    return [{"prompt": f'What is the value of "{k}"?', "key": k, "answer": TABLE[k]} for k in keys]
+
+
+def client(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def refused(base_url) -> bool:
+    host, port = base_url.split("//")[1].split("/")[0].split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def trained_turns(ep):
+    """Per sample, its trained runs of ids with the prompt each followed, as (prompt ids, ids, logprobs)."""
+    out = []
+    for s in ep.samples:
+        k = 0
+        while k < len(s.input_ids):
+            if not s.loss_mask[k]:
+                k += 1
+                continue
+            end = k
+            while end < len(s.input_ids) and s.loss_mask[end] and s.turn_idx[end] == s.turn_idx[k]:
+                end += 1
+            out.append((s.input_ids[:k], s.input_ids[k:end], s.sampler_logprobs[k:end]))
+            k = end
+    return out
+
+
+def test_the_toy_harness_trains_exactly_the_sampled_tokens_and_leaves_nothing_listening(tok, tmp_path):
+    from tasks.toy_kv_agent import agent as toy_agent
+
+    urls = []
+
+    def agent(row, base_url):
+        urls.append(base_url)
+        return toy_agent(row, base_url)
+
+    env = agent_env(tok, tmp_path, agent)
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    keys = ["golf", "kilo", "alpha", "mike"]
+    eps = env.rollout(rows(keys), sampler)
+    assert [ep.end_reason for ep in eps] == ["answer"] * 4
+    assert max(sampler.batches) > 1, "concurrent episodes share a generate call"
+    for ep, k in zip(eps, keys):
+        assert len(ep.samples) == 1 and ep.forks == 0 and ep.tokenization_mismatches == 0  # ChatML extends
+        assert len(ep.turns) == 2 and ep.tool_calls == 1
+        # I1: every trained run is a sampled reply, after exactly the prompt the sampler was given, with its logprobs
+        assert trained_turns(ep) == [t for t in sampler.turns if t in trained_turns(ep)]
+        assert len(trained_turns(ep)) == 2
+        assert ep.completion[1] == {"role": "user", "content": f"<result>\n{TABLE[k]}\n</result>"}  # role tool, XML
+        assert ep.row["agent_result"] == f"<reasoning>found</reasoning>\n<answer>{TABLE[k]}</answer>"
+        assert ep.n_prompt_messages == 1 and ep.messages[0]["content"] == f'What is the value of "{k}"?'
+    from rewards.toy_kv_reward import exact_answer_reward
+
+    assert exact_answer_reward([ep.completion for ep in eps], [ep.row["answer"] for ep in eps]) == [1.0] * 4
+    assert all(refused(u) for u in urls), "the endpoint closes with its rollout"
+
+
+def test_native_tool_calls_several_in_one_turn_go_out_as_tool_calls_and_come_back_as_the_same_turn(qwen3, tmp_path):
+    schema = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "d", "parameters": {"type": "object", "properties": {}}},
+    }
+    calls = [{"name": "lookup", "arguments": {"key": k}} for k in ("golf", "kilo")]
+    two_calls = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    seen = {}
+
+    def reply(text):
+        return two_calls if "<tool_response>" not in text else "The values are known."
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            r = client(base_url).chat.completions.create(model="policy", messages=messages, tools=[schema])
+            message = r.choices[0].message
+            seen.setdefault("finish", []).append(r.choices[0].finish_reason)
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return message.content
+            seen["calls"] = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+            for c in message.tool_calls:
+                value = TABLE[json.loads(c.function.arguments)["key"]]
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": value})
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native")
+    sampler = ByPrompt(qwen3, reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert seen["finish"] == ["tool_calls", "stop"]
+    assert seen["calls"] == [("lookup", {"key": "golf"}), ("lookup", {"key": "kilo"})]
+    assert ep.end_reason == "answer" and ep.tool_calls == 2 and len(ep.turns) == 2
+    assert ep.forks == 0 and len(ep.samples) == 1 and ep.tokenization_mismatches == 0, "the reply came back as sent"
+    assert [m["role"] for m in ep.completion] == ["assistant", "tool", "tool", "assistant"]
+    assert ep.completion[0]["tool_calls"][1]["function"]["arguments"] == {"key": "kilo"}
+    text = qwen3.decode(ep.samples[0].input_ids)
+    assert '"description": "d"' in text, "the request's tools reach the chat template"
+    assert trained_turns(ep) == sampler.turns
+
+
+def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_sampled(tok, tmp_path):
+    from tasks.toy_kv_agent import run_tool
+
+    def agent(row, base_url):
+        messages = [{"role": "system", "content": "turn 0"}, {"role": "user", "content": row["prompt"]}]
+        for turn in range(1, 4):
+            text = (
+                client(base_url).chat.completions.create(model="policy", messages=messages).choices[0].message.content
+            )
+            messages.append({"role": "assistant", "content": text})
+            if "<tool>" not in text:
+                return text
+            messages.append({"role": "tool", "content": run_tool(text.split("<tool>")[1].split("</tool>")[0])})
+            messages[0] = {"role": "system", "content": f"turn {turn}"}  # a new system prompt every turn
+
+    env = agent_env(tok, tmp_path, agent)
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert ep.end_reason == "answer" and len(ep.turns) == 2
+    assert ep.forks == 1 and len(ep.samples) == 2, "the edited history forks"
+    assert ep.tokenization_mismatches == 0
+    assert trained_turns(ep) == sampler.turns
+    assert tok.decode(ep.samples[1].input_ids).startswith("<|im_start|>system\nturn 1")
+    assert env.stats()["agent/history_edits"] == 1
+
+
+def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overrides_are_counted(tok, tmp_path):
+    errors = {}
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        asks = {
+            "n": dict(n=2),
+            "stream": dict(stream=True),
+            "logprobs": dict(logprobs=True),
+            "model": dict(model="gpt-4o"),
+            "stop": dict(stop=["x"]),
+            "tool_choice": dict(tool_choice="required"),
+            "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "messages": dict(messages=[{"role": "critic", "content": "."}]),
+        }
+        for name, kw in asks.items():
+            try:
+                client(base_url).chat.completions.create(**{"model": "policy", "messages": messages, **kw})
+            except openai.BadRequestError as e:
+                errors[name] = (e.status_code, e.param, e.message)
+        r = client(base_url).chat.completions.create(model="policy", messages=messages, temperature=0.3, top_p=0.5)
+        return r.choices[0].message.content
+
+    env = agent_env(tok, tmp_path, agent, "temperature=1.0")
+    sampler = ByPrompt(tok, lambda text: "<answer>x</answer>")
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert sorted(errors) == ["logprobs", "messages", "model", "n", "stop", "stream", "tool_choice", "tools"]
+    for name, (status, param, message) in errors.items():
+        assert status == 400 and param == name, message
+    assert "'policy'" in errors["model"][2] and "tool_format" in errors["tools"][2]
+    assert ep.end_reason == "answer" and len(ep.turns) == 1, "refused requests sample nothing"
+    assert sampler.temperatures == [1.0], "the trainer's temperature, not the request's"
+    assert env.stats() == {"agent/overridden_temperature": 1, "agent/overridden_top_p": 1}
+
+
+def test_faults_are_counted_outcomes_left_out_of_training_and_kept_in_an_eval(tok, tmp_path):
+    """A harness that raises (agent_error), one that never returns (agent_timeout; its later requests find nothing
+    listening), one that returns without a request, a request after the trainer ended its episode (410) and one to
+    an episode that does not exist (404)."""
+    release = threading.Event()
+    late = {}
+
+    def agent(row, base_url):
+        kind = row["key"]
+        if kind == "raises":
+            client(base_url).chat.completions.create(model="policy", messages=[{"role": "user", "content": "raise"}])
+            raise RuntimeError("the harness's own bug")
+        if kind == "hangs":
+            release.wait(30)
+            try:
+                client(base_url).models.list()
+            except openai.APIConnectionError:
+                late["hangs"] = "refused"
+            return "late"
+        if kind == "silent":
+            return "nothing asked"
+        messages = [{"role": "user", "content": row["prompt"]}]
+        r = client(base_url).chat.completions.create(model="policy", messages=messages)  # cut: truncated
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        try:
+            client(base_url).chat.completions.create(model="policy", messages=messages)
+        except openai.APIStatusError as e:
+            late["after_end"] = e.status_code
+        try:
+            client(base_url.replace("/episodes/", "/episodes/x")).chat.completions.create(
+                model="policy", messages=messages
+            )
+        except openai.NotFoundError as e:
+            late["unknown"] = e.status_code
+        return r.choices[0].finish_reason
+
+    env = agent_env(tok, tmp_path, agent, "agent_timeout=3")
+    sampler = ByPrompt(tok, lambda text: "<reasoning>long", finish=lambda text: "stop" if "raise" in text else "length")
+    batch = [{"prompt": "q", "key": k} for k in ("raises", "hangs", "silent", "cut")]
+    try:
+        eps = env.rollout(batch, sampler)
+        assert [ep.row["key"] for ep in eps] == ["cut"], "faulted episodes are left out of training"
+        assert eps[0].end_reason == "truncated" and eps[0].row["agent_result"] == "length"
+        assert late == {"after_end": 410, "unknown": 404}
+        assert env.stats() == {"agent/agent_errors": 2, "agent/agent_timeouts": 1}
+        evaluated = env.rollout(batch, sampler, eval_temperature=0.0)
+        assert [ep.end_reason for ep in evaluated] == ["agent_error", "agent_timeout", "agent_error", "truncated"]
+        assert "the harness's own bug" in evaluated[0].row["agent_result"]
+        assert "without sending a request" in evaluated[2].row["agent_result"]
+    finally:
+        release.set()
+    M_until = __import__("conftest").until
+    M_until(lambda: late.get("hangs") == "refused", "the abandoned harness's late request to be refused")
+
+
+def test_a_harness_that_calls_from_several_threads_gets_one_turn_at_a_time(tok, tmp_path):
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        replies = []
+        ask = lambda: replies.append(client(base_url).chat.completions.create(model="policy", messages=messages))  # noqa: E731
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return len(replies)
+
+    class Slow(ByPrompt):
+        def generate(self, *a, **k):
+            time.sleep(1.0)  # the other thread's request arrives while this turn holds the episode
+            return super().generate(*a, **k)
+
+    env = agent_env(tok, tmp_path, agent)
+    sampler = Slow(tok, lambda text: "<answer>x</answer>")
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert ep.row["agent_result"] == 2 and len(ep.turns) == 2
+    assert ep.forks == 1, "the second request's history lacks the first's reply: it forks"
+    assert trained_turns(ep) == sampler.turns
+    assert env.stats().get("agent/concurrent_requests", 0) == 1
+
+
+def test_a_sampler_failure_stops_the_run_and_a_full_context_ends_the_episode(tok, tmp_path):
+    class Down(ByPrompt):
+        def generate(self, *a, **k):
+            raise M.ServerDown("the server went away")
+
+    env = agent_env(tok, tmp_path, lambda row, url: M_call(url))
+    with pytest.raises(M.ServerDown, match="went away"):
+        env.rollout(rows(["golf"]), Down(tok, str))
+    statuses = []
+
+    def agent(row, base_url):
+        try:
+            M_call(base_url)
+        except openai.BadRequestError as e:
+            statuses.append(str(e))
+        return "done"
+
+    env = agent_env(tok, tmp_path, agent, "max_seq_len=8")
+    [ep] = env.rollout(rows(["golf"]), ByPrompt(tok, str))
+    assert ep.end_reason == "context" and not ep.turns and not ep.samples
+    assert "max_seq_len=8" in statuses[0]
+
+
+def M_call(base_url):
+    return client(base_url).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "What is the value of golf?"}]
+    )
+
+
+def test_a_recipe_with_an_agent_is_checked_at_load(tmp_path):
+    cfg = recipe_cfg(tmp_path, f"agent={TOY_AGENT}")
+    with pytest.raises(M.ConfigError, match=r"runs its own tools: set tools: \[\]"):
+        M.check_agent(cfg, lambda row, url: None)
+
+    async def agent(row, url):
+        pass
+
+    cfg = recipe_cfg(tmp_path, f"agent={TOY_AGENT}", "tools=[]")
+    with pytest.raises(M.ConfigError, match="async def"):
+        M.check_agent(cfg, agent)
+
+
+def test_the_harness_recipe_trains_through_the_endpoint(tmp_path, tiny_model_dir):
+    """Two steps of the toy recipe as a harness on a random model, in-process: the run's loop, rewards and logs."""
+    recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
+    cfg = M.load_config(
+        recipe,
+        [
+            f"model_name_or_path={tiny_model_dir}",
+            f"output_dir={tmp_path}/run",
+            "max_steps=2",
+            "eval_steps=0",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=16",
+        ],
+    )
+    history = M.train(cfg)
+    assert [m["step"] for m in history] == [1, 2]
+    assert all(m["rollout/turns"] >= 1 for m in history)
+    with open(f"{tmp_path}/run/episodes.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert episodes and all(e["messages"][0]["role"] == "user" for e in episodes)
+
+
+@pytest.mark.parametrize(
+    "branching", [[], ["branch_width=2", "branch_depth=2", "num_generations=8", "advantage_mode=tree"]]
+)
+def test_the_toy_as_a_harness_makes_the_built_in_environments_episodes(tok, tmp_path, branching):
+    """The same sampler, the same rows: the harness's episodes are the built-in environment's, token for token, with
+    the same branches (a branch reruns the harness, answered from the record up to its branch point)."""
+    from tasks.toy_kv_agent import agent
+
+    def reply(text):  # two lookups, the first of a wrong key, then the answer
+        results = text.count("<result>")
+        key = text.split('"')[1]
+        if results < 2:
+            wrong = "nokey" if results == 0 else key
+            return f"<tool>{json.dumps({'name': 'lookup', 'args': {'key': wrong}})}</tool>"
+        return f"<answer>{text.rsplit('<result>', 1)[1].split('</result>')[0].strip()}</answer>"
+
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    batch = [r for r in rows(["golf", "kilo"]) for _ in range(2)]
+    built_in = make_builtin_env(tok, tmp_path, *branching).rollout(batch, ByPrompt(tok, reply, end=end))
+    env = agent_env(tok, tmp_path, agent, *branching)
+    harness = env.rollout(batch, ByPrompt(tok, reply, end=end))
+    assert len(harness) == len(built_in) == (16 if branching else 4)
+    for a, b in zip(harness, built_in):
+        assert (a.node, a.turn_nodes, a.end_reason, a.tool_calls, a.forks) == (
+            b.node,
+            b.turn_nodes,
+            b.end_reason,
+            b.tool_calls,
+            b.forks,
+        )
+        assert [(s.input_ids, s.loss_mask, s.sampler_logprobs, s.turn_idx) for s in a.samples] == [
+            (s.input_ids, s.loss_mask, s.sampler_logprobs, s.turn_idx) for s in b.samples
+        ]
+        assert a.completion == b.completion
+    assert "agent/replays_dropped" not in env.stats()
+
+
+def make_builtin_env(tok, tmp_path, *overrides):
+    cfg = recipe_cfg(tmp_path, *overrides)
+    return M.MultiTurnToolEnv(tok, [M.load_object(s) for s in cfg.tools], cfg)
+
+
+def test_a_branch_whose_replayed_requests_differ_is_dropped_and_counted(tok, tmp_path):
+    """A tool that is not deterministic: a branch's rerun of the harness gets another result, so its first request of
+    its own differs from the one it branched at, and the branch is dropped."""
+    draws = iter(range(1000))
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            text = (
+                client(base_url).chat.completions.create(model="policy", messages=messages).choices[0].message.content
+            )
+            messages.append({"role": "assistant", "content": text})
+            if "<tool>" not in text:
+                return text
+            messages.append({"role": "tool", "content": f"draw {next(draws)}"})
+
+    branching = ["branch_width=2", "branch_depth=1", "num_generations=4", "advantage_mode=tree"]
+    env = agent_env(tok, tmp_path, agent, *branching)
+    sampler = ByPrompt(tok, lambda text: "<answer>x</answer>" if "draw" in text else toy_reply(text))
+    eps = env.rollout(rows(["golf", "kilo"]), sampler)
+    assert [ep.node for ep in eps] == [(0, 0), (1, 0)], "each root's branch was dropped"
+    assert env.stats()["agent/replays_dropped"] == 2
