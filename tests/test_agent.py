@@ -191,6 +191,7 @@ def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_
             messages[0] = {"role": "system", "content": f"turn {turn}"}  # a new system prompt every turn
 
     env = agent_env(tok, tmp_path, agent)
+    env.chat.bridge_checks = M.BRIDGE_CHECKS  # past the bridge's first checks, as later in a run
     sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
     [ep] = env.rollout(rows(["golf"]), sampler)
     assert ep.end_reason == "answer" and len(ep.turns) == 2
@@ -257,6 +258,10 @@ def test_faults_are_counted_outcomes_left_out_of_training_and_kept_in_an_eval(to
             return "late"
         if kind == "silent":
             return "nothing asked"
+        if kind == "cut, then fails on the 410":
+            messages = [{"role": "user", "content": row["prompt"]}]
+            client(base_url).chat.completions.create(model="policy", messages=messages)
+            client(base_url).chat.completions.create(model="policy", messages=messages + messages)  # raises: 410
         messages = [{"role": "user", "content": row["prompt"]}]
         r = client(base_url).chat.completions.create(model="policy", messages=messages)  # cut: truncated
         messages.append({"role": "assistant", "content": r.choices[0].message.content})
@@ -274,15 +279,17 @@ def test_faults_are_counted_outcomes_left_out_of_training_and_kept_in_an_eval(to
 
     env = agent_env(tok, tmp_path, agent, "agent_timeout=3")
     sampler = ByPrompt(tok, lambda text: "<reasoning>long", finish=lambda text: "stop" if "raise" in text else "length")
-    batch = [{"prompt": "q", "key": k} for k in ("raises", "hangs", "silent", "cut")]
+    batch = [{"prompt": "q", "key": k} for k in ("raises", "hangs", "silent", "cut", "cut, then fails on the 410")]
     try:
         eps = env.rollout(batch, sampler)
-        assert [ep.row["key"] for ep in eps] == ["cut"], "faulted episodes are left out of training"
-        assert eps[0].end_reason == "truncated" and eps[0].row["agent_result"] == "length"
+        assert [ep.row["key"] for ep in eps] == ["cut", "cut, then fails on the 410"], "faults are left out"
+        assert [ep.end_reason for ep in eps] == ["truncated", "truncated"], "the trainer's end, not the harness's error"
+        assert eps[0].row["agent_result"] == "length" and "410" in eps[1].row["agent_result"]
         assert late == {"after_end": 410, "unknown": 404}
         assert env.stats() == {"agent/agent_errors": 2, "agent/agent_timeouts": 1}
         evaluated = env.rollout(batch, sampler, eval_temperature=0.0)
-        assert [ep.end_reason for ep in evaluated] == ["agent_error", "agent_timeout", "agent_error", "truncated"]
+        ends = [ep.end_reason for ep in evaluated]
+        assert ends == ["agent_error", "agent_timeout", "agent_error", "truncated", "truncated"]
         assert "the harness's own bug" in evaluated[0].row["agent_result"]
         assert "without sending a request" in evaluated[2].row["agent_result"]
     finally:
