@@ -31,6 +31,8 @@ def test_every_shipped_recipe_loads_and_its_plugins_resolve(recipe):
     cfg = M.load_config(recipe)
     for spec in cfg.tools + cfg.turn_reward_funcs + cfg.outcome_reward_funcs:
         assert callable(M.load_object(spec))
+    if cfg.agent:
+        M.check_agent(cfg, M.load_object(cfg.agent, "agent"))
 
 
 @pytest.mark.parametrize("path", RECIPES)
