@@ -121,9 +121,7 @@ def test_trained_ids_are_exactly_the_ids_vllm_returned_across_turns(real_vllm, t
     calls = recording(client)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
     eps = env.rollout([r for r in toy_kv.make_dataset(8, seed=3) for _ in range(4)], client)
-    returned = {
-        (tuple(c["prompt_token_ids"]), tuple(c["token_ids"])): c["logprobs"]["token_logprobs"] for c in choices(calls)
-    }
+    returned = wire_replies(calls)
     with_tools = [ep for ep in eps if ep.tool_calls and len(ep.turns) >= 2]
     assert len(with_tools) >= 3, "the warm-started policy looks up about a quarter of the time"
     for ep in eps:
@@ -134,7 +132,7 @@ def test_trained_ids_are_exactly_the_ids_vllm_returned_across_turns(real_vllm, t
             assert key in returned, (
                 "I1: each turn is one reply's token_ids, after exactly that reply's prompt_token_ids"
             )
-            assert s.loss_mask[span] == [1] * t.sampled_len and s.sampler_logprobs[span] == returned[key]
+            assert s.loss_mask[span] == [1] * t.sampled_len and s.sampler_logprobs[span] in returned[key]
         assert sum(s.loss_mask) == sum(t.sampled_len for t in ep.turns), "I3: nothing else is trained"
     masked = tok.decode(
         [i for i, m in zip(with_tools[0].samples[0].input_ids, with_tools[0].samples[0].loss_mask) if not m]
