@@ -39,7 +39,8 @@ The four things changed most, each in one place:
 - credit: an advantage mode, a function from one group to one advantage per assistant turn (ADVANTAGE_MODES);
 - a tool format: one class that owns what its calls and results look like (TOOL_FORMATS);
 - a sampler: one class behind the interface written at the top of appendix C, and the line in `setup` that picks it;
-- a task: a dataset, tools, reward functions and a recipe, loaded by path (`file.py:name`; see Config).
+- a task: a dataset, tools, reward functions and a recipe, loaded by path (`file.py:name`; see Config), or an agent
+  harness of your own, whose requests to an endpoint per episode are the environment's turns (appendix H).
 
 Run: `bash run.sh [eval] [RECIPE.yaml [key=value ...]]` (sets up, and starts a vLLM server where the layout has one),
 or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` documents every recipe key.
