@@ -563,12 +563,12 @@ def test_the_toy_harness_through_the_endpoint_trains_exactly_what_vllm_returned(
     env = agent_env(real_vllm, tmp_path, tok, agent)
     eps = env.rollout([r for r in toy_kv.make_dataset(16, seed=3) for _ in range(2)], client)
     returned = wire_replies(calls)
-    by_session = {int(re.search(r"/episodes/e(\d+)/v1$", url).group(1)): turns for url, turns in asked.items()}
+    by_row = {int(re.search(r"/episodes/e(\d+)/v1$", url).group(1)): turns for url, turns in asked.items()}
     assert len(eps) == 32 and M.rollout_metrics(eps)["rollout/forks"] == 0
     with_tools = [ep for ep in eps if ep.tool_calls and len(ep.turns) >= 2]
     assert with_tools, "the warm-started policy looks up about a quarter of the time"
-    for ep in eps:
-        requests, harness = sampled[ep.session], by_session[ep.session]
+    for i, ep in enumerate(eps):  # the endpoint numbers episodes in the order of their rows
+        requests, harness = sampled[ep.session], by_row[i]
         assert len(ep.samples) == 1, "ChatML extends: one sample per episode (I4)"
         assert_trained_as_sampled(ep, requests, returned)
         assert len(harness) == len(ep.turns), "each request of the harness is one turn"
