@@ -69,9 +69,9 @@ def train_one(pool, recipe: str, overrides: list[str], out: str) -> dict:
     raise RuntimeError(f"{out} failed twice on the same seed; see {out}/train.log")
 
 
-def train_all(recipe: str, runs: dict[tuple, list[str]], runs_dir: str, jobs: int) -> dict[tuple, dict]:
+def train_all(recipe: str | dict, runs: dict[tuple, list[str]], runs_dir: str, jobs: int) -> dict[tuple, dict]:
     """Train every (method, seed) of `runs` (its overrides) into runs_dir/METHOD-seedS, `jobs` at a time, in the
-    order given; returns {(method, seed): wall.json's figures}."""
+    order given; `recipe` is every run's, or {method: its recipe}. Returns {(method, seed): wall.json's figures}."""
     spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
     with (
         concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn, initializer=start_worker) as workers,
@@ -80,7 +80,8 @@ def train_all(recipe: str, runs: dict[tuple, list[str]], runs_dir: str, jobs: in
         futures = {}
         for (method, seed), overrides in runs.items():
             out = os.path.join(runs_dir, f"{method}-seed{seed}")
-            futures[(method, seed)] = waiting.submit(train_one, workers, recipe, overrides, out)
+            own = recipe[method] if isinstance(recipe, dict) else recipe
+            futures[(method, seed)] = waiting.submit(train_one, workers, own, overrides, out)
         walls = {}
         for key, fut in futures.items():
             walls[key] = fut.result()
