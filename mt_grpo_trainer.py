@@ -4107,14 +4107,16 @@ class AgentEnv(MultiTurnToolEnv):
     def finish(self, state: AgentEpisode, deadline: float):
         ep = state.ep
         end = ""
-        try:
-            ep.row["agent_result"] = state.result.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
+        done, _ = concurrent.futures.wait([state.result], timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
             end = "agent_timeout"
             ep.row["agent_result"] = f"the harness did not return within agent_timeout={self.cfg.agent_timeout}s"
-        except BaseException as e:  # noqa: BLE001 - the harness's error is the episode's outcome (I6)
+        elif state.result.exception():  # its own error, a TimeoutError of its own too: the episode's outcome (I6)
             end = "agent_error"
+            e = state.result.exception()
             ep.row["agent_result"] = f"{type(e).__name__}: {e}"
+        else:
+            ep.row["agent_result"] = state.result.result()
         with state.lock:  # waits for a turn in flight
             state.closed = True
             trainer_ended = ep.done and ep.end_reason in TRAINER_ENDS  # the harness may fail on the 410 after it
@@ -4381,6 +4383,14 @@ class AgentEndpoint:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self):
+                super().setup()
+                endpoint.connections.add(self.connection)  # a keep-alive connection, closed with the endpoint
+
+            def finish(self):
+                super().finish()
+                endpoint.connections.discard(self.connection)
+
             def do_GET(self):
                 endpoint.handle(self, None)
 
@@ -4391,6 +4401,7 @@ class AgentEndpoint:
                 pass
 
         self.env = env
+        self.connections = set()  # the harnesses' open connections: a client kept alive would hold a thread each
         self.states = {}  # URL key -> an episode's state, in the order started (branches after their root)
         self.lock = threading.Lock()
         self.branching = branching  # branch_width > 1, in training: a harness's episode branches as a built-in one
@@ -4454,6 +4465,9 @@ class AgentEndpoint:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+        for connection in list(self.connections):  # their handler threads, waiting for a next request, end
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         self.batcher.close()
 
 

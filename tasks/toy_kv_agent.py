@@ -32,13 +32,13 @@ def run_tool(payload: str) -> str:
 
 def agent(row: dict, base_url: str) -> str:
     """Ask, call `lookup` while the model asks for it, return the last reply."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": row["prompt"]}]
-    while True:
-        choice = client.chat.completions.create(model="policy", messages=messages).choices[0]
-        text = choice.message.content
-        messages.append({"role": "assistant", "content": text})
-        call = TOOL.search(text)
-        if choice.finish_reason == "length" or call is None:
-            return text
-        messages.append({"role": "tool", "content": run_tool(call.group(1))})
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:  # closed: its connection too
+        while True:
+            choice = client.chat.completions.create(model="policy", messages=messages).choices[0]
+            text = choice.message.content
+            messages.append({"role": "assistant", "content": text})
+            call = TOOL.search(text)
+            if choice.finish_reason == "length" or call is None:
+                return text
+            messages.append({"role": "tool", "content": run_tool(call.group(1))})

@@ -208,6 +208,18 @@ MUTATIONS = [
         "            if end:",
         ["tests/test_agent.py", "-k", "faults"],
     ),
+    Mutation(
+        "the endpoint closes without closing the connections harnesses keep alive",
+        "                connection.shutdown(socket.SHUT_RDWR)",
+        "                pass",
+        ["tests/test_agent.py", "-k", "keeps_its_client"],
+    ),
+    Mutation(
+        "a harness's own TimeoutError is taken for agent_timeout",
+        '        if not done:\n            end = "agent_timeout"',
+        '        if not done or isinstance(state.result.exception(), TimeoutError):\n            end = "agent_timeout"',
+        ["tests/test_agent.py", "-k", "keeps_its_client"],
+    ),
 ]
 
 

@@ -453,3 +453,27 @@ def test_a_branch_whose_replayed_requests_differ_is_dropped_and_counted(tok, tmp
     eps = env.rollout(rows(["golf", "kilo"]), sampler)
     assert [ep.node for ep in eps] == [(0, 0), (1, 0)], "each root's branch was dropped"
     assert env.stats()["agent/replays_dropped"] == 2
+
+
+def test_a_harness_that_keeps_its_client_open_leaves_no_thread_behind_and_its_own_timeout_is_its_error(tok, tmp_path):
+    """Clients kept alive (never closed, never collected) hold a connection each: the endpoint closes them with the
+    rollout, so their handler threads end. A TimeoutError the harness raises itself is its error, not agent_timeout."""
+    kept = []
+
+    def agent(row, base_url):
+        kept.append(client(base_url))
+        kept[-1].chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+        if row["key"] == "kilo":
+            raise TimeoutError("the harness's own deadline")
+        return "done"
+
+    env = agent_env(tok, tmp_path, agent)
+    before = threading.active_count()
+    for _ in range(3):
+        eps = env.rollout(rows(["golf"] * 7 + ["kilo"]), ByPrompt(tok, lambda text: "<answer>x</answer>"))
+        assert len(eps) == 7 and env.stats() == {"agent/agent_errors": 1}
+    M_until = __import__("conftest").until
+    M_until(lambda: threading.active_count() <= before + 2, "the endpoint's handler threads to end")
+    evaluated = env.rollout(rows(["kilo"]), ByPrompt(tok, lambda text: "<answer>x</answer>"), eval_temperature=0.0)
+    assert evaluated[0].end_reason == "agent_error"
+    assert evaluated[0].row["agent_result"] == "TimeoutError: the harness's own deadline"

@@ -21,7 +21,7 @@ FEATURE_TOKENS = {
     "sampled, seeded evaluation (eval_temperature, eval_samples) and an evaluation at step 0 (issues 33, 34)": 259,
     "the method's read path one idea per line: named groups and values, keyword calls, one step seed, wrapped key docstrings (issue 35)": 140,
     "runs started together build a missing model once (a lock beside it), one place that says which devices use FlexAttention": 86,
-    "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_689,
+    "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_795,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
