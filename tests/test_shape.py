@@ -1,6 +1,7 @@
 """The trainer reads in one sitting: its size, its order, its longest function, and that it stands alone."""
 
 import ast
+import os
 import inspect
 import re
 
@@ -83,7 +84,7 @@ def test_the_file_stands_alone():
     header = M.__doc__
     for i in range(1, 7):
         assert re.search(rf"^  I{i} \w", header, re.M), f"the header does not define I{i}"
-    assert "../shared" not in SOURCE and "DESIGN.md" not in SOURCE and "STYLE.md" not in SOURCE
+    assert os.path.join("..", "shared") not in SOURCE and "DESIGN.md" not in SOURCE and "STYLE.md" not in SOURCE
     assert "Worked example" in M.MultiTurnToolEnv.next_prompt.__doc__
 
 

@@ -7,7 +7,6 @@ train_on_samples for the node weights) against the exact policy gradient of smal
 import collections
 import json
 import math
-import os
 import types
 
 import numpy as np
@@ -18,7 +17,6 @@ import bench.credit_snr as CS
 import mt_grpo_trainer as M
 import check_template as CT
 from test_env import ScriptedSampler, make_env, tool_call
-from test_templates import FIX
 from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
 from test_train import run_cfg
 from vllm_standin import StandinServer
@@ -209,7 +207,6 @@ class ByTurn(ScriptedSampler):
         return outs
 
 
-@pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (the real Qwen3 tokenizer)")
 @pytest.mark.parametrize("boundary", ["fork", "realign"])
 def test_forks_and_realigns_inside_branches_keep_every_sampled_token_trained_once(qwen3, boundary):
     """Qwen3 without thinking rewrites every past turn (each tool boundary forks); a second end-of-turn token makes
