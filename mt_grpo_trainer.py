@@ -2403,7 +2403,7 @@ class VLLMServerClient:
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
-        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by run.sh's front (vllm_front.py)
+        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by vllm_token.py, in the server
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts

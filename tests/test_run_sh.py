@@ -15,7 +15,7 @@ import time
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import free_ports, only_the_token_gets_in, recipe_cfg, second_host, stop_real_server, vllm_api_process
+from conftest import free_ports, vllm_api_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -594,7 +594,8 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_pr
 def test_a_server_for_other_hosts_needs_a_token_or_an_opt_in_that_names_the_risk(tmp_path, tiny_model_dir):
     """MTGRPO_VLLM_HOST beyond loopback: refused in one line naming what it would open, before anything starts; with
     MTGRPO_VLLM_OPEN=1 vLLM binds that address itself (the dev routes open, as chosen); with MTGRPO_VLLM_TOKEN it
-    binds 127.0.0.1 behind vllm_front.py. (The front before the real server, from a second host: test_real_vllm.)"""
+    binds it with vllm_token.py's middleware in its app. (The middleware in the real server, from a second host:
+    test_real_vllm.)"""
     bin_dir = fake_bin(tmp_path, f'#!/bin/sh\necho "$@" > {tmp_path}/launched\n')
     serve = ["serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder="]
     serve += ["vllm_gpus=1", "train_gpus=0"]
@@ -606,42 +607,11 @@ def test_a_server_for_other_hosts_needs_a_token_or_an_opt_in_that_names_the_risk
     assert "MTGRPO_VLLM_OPEN=1" in line[0]
     run_sh(tmp_path, bin_dir, M.free_port(), *serve, timeout=120, extra_env={**host, "MTGRPO_VLLM_OPEN": "1"})
     assert "--host 0.0.0.0" in (tmp_path / "launched").read_text()
+    assert "--middleware" not in (tmp_path / "launched").read_text()
     (tmp_path / "launched").unlink()
     run_sh(tmp_path, bin_dir, M.free_port(), *serve, timeout=120, extra_env={**host, "MTGRPO_VLLM_TOKEN": "t"})
-    assert "--host 127.0.0.1" in (tmp_path / "launched").read_text()
-
-
-def test_from_another_host_a_served_model_answers_only_the_token(tmp_path, tiny_model_dir, monkeypatch):
-    """`bash run.sh serve` with MTGRPO_VLLM_HOST on a second host's network (a network namespace) and a token, its
-    server a stand-in behind a fake `vllm`: every route, the dev ones included, answers 401 from the other host
-    without the token; the trainer trains and syncs through the front with it, and stops in one line without it.
-    (The same against the real vLLM CPU build: test_real_vllm.)"""
-    port_of = "port=$(echo \"$@\" | sed 's/.*--port \\([0-9]*\\).*/\\1/')\n"
-    serve = f'exec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" --port "$port" --max-model-len 512\n'
-    bin_dir = fake_bin(tmp_path, "#!/bin/sh\n" + port_of + serve)
-    token = "s3cret-for-this-test"
-    with second_host() as (there, address):
-        host = {"MTGRPO_VLLM_HOST": address, "MTGRPO_VLLM_TOKEN": token}
-        cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}"]
-        cmd += ["model_builder=", "vllm_gpus=1", "train_gpus=0"]
-        env = sh_env(tmp_path, bin_dir, M.free_port(), host)
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            served = next((line for line in p.stdout if line.startswith("[run.sh] serving at ")), None)
-            assert served, f"run.sh serve stopped (exit {p.wait()})"
-            url = served.split()[3]
-            vllm_port = (tmp_path / "vllm.log").read_text().split("vLLM on 127.0.0.1:")[1].split()[0]
-            only_the_token_gets_in(there, url, token, int(vllm_port))
-            args = [f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={url}"]
-            args += ["prompts_per_step=2", "num_generations=2", "max_tokens=8", "max_steps=2", "log_episodes_steps=0"]
-            monkeypatch.delenv("MTGRPO_VLLM_TOKEN", raising=False)
-            with pytest.raises(M.SamplerError, match="HTTP 401"):
-                M.train(recipe_cfg(tmp_path / "without", *args))
-            monkeypatch.setenv("MTGRPO_VLLM_TOKEN", token)
-            hist = M.train(recipe_cfg(tmp_path / "with", *args, f"weight_sync_dir={tmp_path}/shm"))
-            assert [h["step"] for h in hist] == [1, 2] and all(h["sync/servers_checked"] == 1 for h in hist)
-        finally:
-            stop_real_server(p)  # run.sh's EXIT trap stops the front and the stand-in behind it
+    assert "--middleware vllm_token.TokenCheck" in (tmp_path / "launched").read_text()
+    assert "--host 0.0.0.0" in (tmp_path / "launched").read_text()
 
 
 def recording_python(path, log, version_ok=True):
