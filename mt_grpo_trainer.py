@@ -1322,8 +1322,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
     try:
-        if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
-            evaluate(run, 0, record=True)
+        if run.start == 0 and run.eval_due(0):  # the model before training: a row of its own, where "before" starts
+            run.logger.log_eval(0, evaluate(run, 0))
         for step in run.steps:
             t0 = time.time()
             # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
@@ -1718,9 +1718,11 @@ class Run:
         )
 
     def release(self):
-        """Rank 0, however the run ends: a fresh run that wrote nothing but its config.yaml (no step logged, no
-        checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
-        if self.earlier and not set(os.listdir(self.cfg.output_dir)) - {"config.yaml", "eval"}:
+        """Rank 0, however the run ends: a fresh run that trained no step (nothing but its config.yaml and its
+        evaluation at step 0; no checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
+        trained = self.logger and any(h["step"] for h in self.logger.history)
+        untrained = {"config.yaml", "eval", "metrics.jsonl"}  # what a run writes before its first step
+        if self.earlier and not trained and not set(os.listdir(self.cfg.output_dir)) - untrained:
             shutil.rmtree(self.cfg.output_dir, ignore_errors=True)
             os.replace(self.earlier, self.cfg.output_dir)
             print(f"[mt-grpo] this run trained no step, so the earlier run is back in {self.cfg.output_dir}")
@@ -2208,6 +2210,18 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def log_eval(self, step: int, evaluated: dict):
+        """An evaluation without a training step (the model before training, step 0): a row of its own."""
+        if self.rank == 0:
+            self.write_row({"step": step, **evaluated})
+
+    def write_row(self, m: dict):
+        self.history.append(m)
+        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.wandb:
+            self.wandb.log(m, step=m["step"])
+
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
@@ -2226,11 +2240,7 @@ class MetricsLogger:
         m.update(evaluated)
         warning = self.alarm.update(step, m.get("rollout/tool_rate_turn0", 0.0))
         m["alarm/tool_collapse"] = float(self.alarm.on)
-        self.history.append(m)
-        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-        if self.wandb:
-            self.wandb.log(m, step=step)
+        self.write_row(m)
         self.write(
             f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
             f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
@@ -2248,22 +2258,27 @@ class MetricsLogger:
 
 
 def summarize(cfg: Config, history: list[dict]):
-    if not history:
+    """The run's first and last trained steps, and each eval metric at its first and last evaluation (step 0, the
+    model before training, when the run evaluated it)."""
+    steps = [h for h in history if h["step"] > 0]  # the trained steps: a row at step 0 is an evaluation only
+    if not steps:
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
-    k = min(10, len(history) // 2)  # two windows that do not overlap; a short run compares its first and last steps
+    k = min(10, len(steps) // 2)  # two windows that do not overlap; a short run compares its first and last steps
     if k > 1:
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']}, then {k}-step means, first vs last:")
     else:
         k = 1
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']} -> step {history[-1]['step']}:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']} -> step {steps[-1]['step']}:")
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
-        first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
-        start = f"{history[0][key]:.3f} | " if k > 1 else ""
+        first, last = (np.mean([h[key] for h in hs]) for hs in (steps[:k], steps[-k:]))
+        start = f"{steps[0][key]:.3f} | " if k > 1 else ""
         print(f"  {key:<22} {start}{first:.3f} -> {last:.3f}")
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
-    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
+        evals = [h for h in history if key in h]
+        ends = evals[:1] + evals[1:][-1:]  # the first and the last, each once
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
+    print(f"  total time {sum(h['time/step'] for h in steps):.0f} s")
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
