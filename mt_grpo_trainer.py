@@ -287,9 +287,11 @@ class Config:
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
+    sync_check: bool = True
+    """Check every weight sync with a probe scored by each server (prompt_logprobs); false for a server that cannot."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run
-    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
+    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did still runs)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server
     that fails it is left at once while another is up)."""
@@ -1589,6 +1591,8 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
+        if not self.cfg.sync_check:  # the recipe turned it off (said at start)
+            return m
         if self.is_main and not self.probe_ref:  # the first check: the probe goes on with 4 texts the policy samples
             for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
                 self.probe_ids = self.probe_ids + sampled.ids
@@ -1805,6 +1809,11 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
+    if run.sampler.policy_version is not None and not cfg.sync_check:
+        run.say(
+            "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
+            "nothing would go on training off-policy without a word"
+        )
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # no training: no logprobs to check
         return run
@@ -2637,7 +2646,10 @@ class VLLMServerClient:
         for s, reply in zip(servers, self.each(servers, "/v1/completions", json=body)):
             lps = reply["choices"][0].get("prompt_logprobs")
             if not isinstance(lps, list) or len(lps) != len(ids):
-                raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
+                raise SamplerError(
+                    f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe; a server that "
+                    "cannot return them needs sync_check: false (then no sync is checked)"
+                )
             out[s.url] = [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
         return out
 
@@ -3448,7 +3460,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
 UNNAMED_OVERRIDES = {
     "output_dir", "resume_from_checkpoint", "max_steps", "save_steps", "log_episodes_steps", "report_to",
     "wandb_project", "eval_dataset", "eval_steps", "eval_max_examples", "vllm_server_url", "vllm_gpus", "train_gpus",
-    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "sync_check",
 }  # fmt: skip
 
 
