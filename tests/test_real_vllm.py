@@ -702,6 +702,7 @@ def test_the_agent_recipe_trains_through_run_sh_on_the_running_server(real_vllm,
         "prompts_per_step=4",  # 32 episodes: some call the tool (the warm-started policy, about a quarter of them)
         "num_generations=4",
         "log_episodes_steps=1",
+        "eval_steps=0",
         f"output_dir={tmp_path}/run",
         f"weight_sync_dir={tmp_path}/shm",
     ]

@@ -109,7 +109,8 @@ os.execv(sys.executable, cmd)
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs" and "--enable-prefix-caching" in argv
     assert "torchrun: 2 training rank(s) on GPU(s) 0,1" in r.stdout
     metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
-    assert len(metrics) == 2 and all(m["time/weight_sync"] > 0 for m in metrics)
+    assert [m["step"] for m in metrics] == [0, 1, 2], "the evaluation at step 0 logged once, by rank 0"
+    assert all(m["time/weight_sync"] > 0 for m in metrics[1:])
     assert (run / "checkpoint-2" / "model.safetensors").is_file()
     assert not port_open(port), "run.sh stops the server when training ends"
 
@@ -289,6 +290,7 @@ def test_sigterm_or_ctrl_c_to_run_sh_under_torchrun_saves_and_exits_0(tmp_path, 
                 "prompts_per_step=2",
                 "num_generations=2",
                 "max_tokens=8",
+                "eval_steps=0",  # each line of metrics.jsonl a trained step
             ],
             cwd=ROOT,
             env=sh_env(tmp_path, tmp_path, M.free_port(), {"MTGRPO_LAYOUT": "server"}),
@@ -452,6 +454,7 @@ def test_the_gpu_layout_serves_one_server_per_group_of_vllm_gpus_and_trains_with
         "prompts_per_step=4",
         "num_generations=2",
         "max_tokens=12",
+        "eval_steps=0",
         f"output_dir={run}",
         f"weight_sync_dir={tmp_path}/shm",
     )
@@ -501,6 +504,7 @@ def test_two_nodes_each_run_sh_with_every_servers_url_train_one_run(tiny_model_d
             "prompts_per_step=2",
             "num_generations=2",
             "max_tokens=12",
+            "eval_steps=0",
             f"output_dir={run}",
             f"weight_sync_dir={tmp_path}/shm",
         ]

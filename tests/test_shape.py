@@ -23,6 +23,8 @@ FEATURE_TOKENS = {
     "the method's read path one idea per line: named groups and values, keyword calls, one step seed, wrapped key docstrings (issue 35)": 140,
     "runs started together build a missing model once (a lock beside it), one place that says which devices use FlexAttention": 86,
     "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_795,
+    "the evaluation at step 0 a row of metrics.jsonl, which the summary compares with the last (issue 44)": 130,
+    "sync_check: false turns the weight-sync probe off, for a server without prompt_logprobs (issue 44)": 40,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 

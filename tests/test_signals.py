@@ -32,6 +32,7 @@ def start_long_run(tmp_path, tiny_model_dir, *overrides, script=("mt_grpo_traine
             "num_generations=2",
             "max_tokens=8",
             "save_steps=0",
+            "eval_steps=0",  # each line of metrics.jsonl a trained step
             *overrides,
         ],
         stdout=subprocess.PIPE,

@@ -239,6 +239,7 @@ def test_a_branching_run_trains_its_tree_resumes_exactly_and_evaluates_greedy_pa
     unbroken run did; evaluation runs one greedy path per prompt."""
     evals = ["eval_dataset=tasks/toy_kv.py:make_eval_dataset", "eval_max_examples=4", "eval_steps=3"]
     full = M.train(run_cfg(tmp_path, toy_model_dir, "full", "max_steps=3", "save_steps=2", *BRANCHING, *evals, *lora))
+    full = full[1:]  # the trained steps (the first row: the evaluation at step 0)
     recs = [json.loads(x) for x in open(tmp_path / "full" / "episodes.jsonl")]
     assert any(len(r["node"]) == 2 for r in recs) and all(m["rollout/paths_per_prompt"] >= 2 for m in full)
     for r in recs:
