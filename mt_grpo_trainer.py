@@ -287,9 +287,11 @@ class Config:
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
+    sync_check: bool = True
+    """Check every weight sync with a probe scored by each server (prompt_logprobs); false for a server that cannot."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run
-    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
+    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did still runs)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server
     that fails it is left at once while another is up)."""
@@ -1322,8 +1324,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
     try:
-        if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
-            evaluate(run, 0, record=True)
+        if run.start == 0 and run.eval_due(0):  # the model before training: a row of its own, where "before" starts
+            run.logger.log_eval(0, evaluate(run, 0))
         for step in run.steps:
             t0 = time.time()
             # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
@@ -1589,6 +1591,8 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
+        if not self.cfg.sync_check:  # the recipe turned it off (said at start)
+            return m
         if self.is_main and not self.probe_ref:  # the first check: the probe goes on with 4 texts the policy samples
             for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
                 self.probe_ids = self.probe_ids + sampled.ids
@@ -1718,9 +1722,11 @@ class Run:
         )
 
     def release(self):
-        """Rank 0, however the run ends: a fresh run that wrote nothing but its config.yaml (no step logged, no
-        checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
-        if self.earlier and not set(os.listdir(self.cfg.output_dir)) - {"config.yaml", "eval"}:
+        """Rank 0, however the run ends: a fresh run that trained no step (nothing but its config.yaml and its
+        evaluation at step 0; no checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
+        trained = self.logger and any(h["step"] for h in self.logger.history)
+        untrained = {"config.yaml", "eval", "metrics.jsonl"}  # what a run writes before its first step
+        if self.earlier and not trained and not set(os.listdir(self.cfg.output_dir)) - untrained:
             shutil.rmtree(self.cfg.output_dir, ignore_errors=True)
             os.replace(self.earlier, self.cfg.output_dir)
             print(f"[mt-grpo] this run trained no step, so the earlier run is back in {self.cfg.output_dir}")
@@ -1803,6 +1809,11 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
+    if run.sampler.policy_version is not None and not cfg.sync_check:
+        run.say(
+            "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
+            "nothing would go on training off-policy without a word"
+        )
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # no training: no logprobs to check
         return run
@@ -2208,6 +2219,18 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def log_eval(self, step: int, evaluated: dict):
+        """An evaluation without a training step (the model before training, step 0): a row of its own."""
+        if self.rank == 0:
+            self.write_row({"step": step, **evaluated})
+
+    def write_row(self, m: dict):
+        self.history.append(m)
+        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.wandb:
+            self.wandb.log(m, step=m["step"])
+
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
@@ -2226,11 +2249,7 @@ class MetricsLogger:
         m.update(evaluated)
         warning = self.alarm.update(step, m.get("rollout/tool_rate_turn0", 0.0))
         m["alarm/tool_collapse"] = float(self.alarm.on)
-        self.history.append(m)
-        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-        if self.wandb:
-            self.wandb.log(m, step=step)
+        self.write_row(m)
         self.write(
             f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
             f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
@@ -2248,22 +2267,27 @@ class MetricsLogger:
 
 
 def summarize(cfg: Config, history: list[dict]):
-    if not history:
+    """The run's first and last trained steps, and each eval metric at its first and last evaluation (step 0, the
+    model before training, when the run evaluated it)."""
+    steps = [h for h in history if h["step"] > 0]  # the trained steps: a row at step 0 is an evaluation only
+    if not steps:
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
-    k = min(10, len(history) // 2)  # two windows that do not overlap; a short run compares its first and last steps
+    k = min(10, len(steps) // 2)  # two windows that do not overlap; a short run compares its first and last steps
     if k > 1:
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']}, then {k}-step means, first vs last:")
     else:
         k = 1
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']} -> step {history[-1]['step']}:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']} -> step {steps[-1]['step']}:")
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
-        first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
-        start = f"{history[0][key]:.3f} | " if k > 1 else ""
+        first, last = (np.mean([h[key] for h in hs]) for hs in (steps[:k], steps[-k:]))
+        start = f"{steps[0][key]:.3f} | " if k > 1 else ""
         print(f"  {key:<22} {start}{first:.3f} -> {last:.3f}")
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
-    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
+        evals = [h for h in history if key in h]
+        ends = evals[:1] + evals[1:][-1:]  # the first and the last, each once
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
+    print(f"  total time {sum(h['time/step'] for h in steps):.0f} s")
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
@@ -2403,7 +2427,7 @@ class VLLMServerClient:
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
-        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by run.sh's front (vllm_front.py)
+        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by vllm_token.py, in the server
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
@@ -2622,7 +2646,10 @@ class VLLMServerClient:
         for s, reply in zip(servers, self.each(servers, "/v1/completions", json=body)):
             lps = reply["choices"][0].get("prompt_logprobs")
             if not isinstance(lps, list) or len(lps) != len(ids):
-                raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
+                raise SamplerError(
+                    f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe; a server that "
+                    "cannot return them needs sync_check: false (then no sync is checked)"
+                )
             out[s.url] = [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
         return out
 
@@ -3433,7 +3460,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
 UNNAMED_OVERRIDES = {
     "output_dir", "resume_from_checkpoint", "max_steps", "save_steps", "log_episodes_steps", "report_to",
     "wandb_project", "eval_dataset", "eval_steps", "eval_max_examples", "vllm_server_url", "vllm_gpus", "train_gpus",
-    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "sync_check",
 }  # fmt: skip
 
 

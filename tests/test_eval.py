@@ -78,7 +78,8 @@ def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
             "max_tokens=12",
         )
     )
-    assert "eval/exact_answer_reward" not in hist[0] and "eval/exact_answer_reward" in hist[1]
+    assert [h["step"] for h in hist] == [0, 1, 2], "step 0: the evaluation before training, a row of its own"
+    assert ["eval/exact_answer_reward" in h for h in hist] == [True, False, True]
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()
 
 
@@ -116,21 +117,32 @@ def test_sampled_eval_is_seeded_so_a_rerun_gives_the_same_episodes(tiny_model_di
     assert "temperature 1.0, seeded" in capsys.readouterr().out
 
 
-def test_training_evaluates_the_model_at_step_0_too(tiny_model_dir, tmp_path):
-    M.train(
-        recipe_cfg(
-            tmp_path,
-            f"model_name_or_path={tiny_model_dir}",
-            "model_builder=",
-            "max_steps=1",
-            "eval_steps=1",
-            "eval_max_examples=2",
-            "prompts_per_step=2",
-            "num_generations=2",
-            "max_tokens=12",
-        )
-    )
+def test_the_evaluation_at_step_0_is_a_metrics_row_kept_once_on_resume_and_in_the_summary(
+    tiny_model_dir, tmp_path, capsys
+):
+    """The model before training is a row of metrics.jsonl (its eval/ keys at step 0), which the closing summary
+    compares with the last evaluation; a run resumed from a checkpoint keeps it once and logs every later step once."""
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "eval_steps=2",
+        "eval_max_examples=2",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "save_steps=1",
+        "log_episodes_steps=0",
+    ]
+    M.train(recipe_cfg(tmp_path, *common, "max_steps=2"))
     assert (tmp_path / "run" / "eval" / "step-0.jsonl").is_file()
-    assert (tmp_path / "run" / "eval" / "step-1.jsonl").is_file()
-    baseline = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "metrics.jsonl")]
-    assert [b["step"] for b in baseline] == [0] and "eval/exact_answer_reward" in baseline[0]
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {k for k in rows[0] if k.startswith("eval/")} == {k for k in rows[2] if k.startswith("eval/")} != set()
+    assert "reward/outcome" not in rows[0], "step 0 trained nothing"
+    out = capsys.readouterr().out
+    first, last = (r["eval/exact_answer_reward"] for r in (rows[0], rows[2]))
+    assert f"eval/exact_answer_reward {first:.3f} (step 0) -> {last:.3f} (step 2)" in out, out
+    assert "before/after: step 1 -> step 2" in out
+    M.train(recipe_cfg(tmp_path, *common, "max_steps=2", f"resume_from_checkpoint={tmp_path}/run/checkpoint-1"))
+    again = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in again] == [0, 1, 2] and again[:2] == rows[:2]
