@@ -8,6 +8,7 @@ keeps their warm starts out of the suite. Benches that need the real vLLM CPU se
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -21,168 +22,121 @@ LIBRARIES = {  # modules the benches import, with no command line of their own
     "paired_stats.py": "the paired tests of bench/turn_credit.py, bench/paper_effect.py and bench/agent_harness.py",
     "seed_runs.py": "the training workers of bench/turn_credit.py, bench/paper_effect.py and bench/agent_harness.py",
 }
-TOY = ["model_name_or_path={toy}", "model_builder="]
-SMALL = ["prompts_per_step=1", "num_generations=2"]
+TOY = "model_name_or_path={toy} model_builder="
+SMALL = "prompts_per_step=1 num_generations=2"
+FEW_EVALS = "eval_max_examples=2 eval_samples=1"
 TOY_KV = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 NUM = r"[-+\d.]+"  # a printed figure
 
-# bench -> its runs, each (its arguments, a line it must print: a regex over its stdout, one line). In the arguments,
-# {tmp} is the case's tmp_path, {toy} the toy model's folder, {url} the shared vLLM server's.
+# bench -> its runs, each (its arguments, a line it must print: a regex over its stdout, one line). The arguments are
+# pieces of a command line (shell quoting); in them {tmp} is the run's folder under tmp_path, {toy} the toy model's
+# folder, {url} the shared vLLM server's.
 SMOKE = {
     "agent_harness.py": [
         (
-            ["--part", "overhead", "--repeats", "1", "--out", "{tmp}", "--set", *TOY, *SMALL],
+            ["--part overhead --repeats 1 --out {tmp} --set", TOY, SMALL],
             rf"^\| scripted \| harness - built-in \(per repeat\) \|.* \| {NUM} \[{NUM}, {NUM}\] \|$",
         ),
         (
-            [
-                "--part",
-                "learning",
-                "--seeds",
-                "0",
-                "--steps",
-                "1",
-                "--jobs",
-                "1",
-                "--out",
-                "{tmp}",
-                "--set",
-                *TOY,
-                *SMALL,
-            ],
+            ["--part learning --seeds 0 --steps 1 --jobs 1 --out {tmp} --set", TOY, SMALL],
             rf"^harness - built-in, outcome over the last 10 steps: mean {NUM}, 95% CI \[{NUM}, {NUM}\]",
         ),
     ],
     "async_overlap.py": [
         (
-            ["--part", "filter", "--seeds", "0", "--steps", "1", "--out", "{tmp}", "--set", *TOY, *SMALL],
+            ["--part filter --seeds 0 --steps 1 --out {tmp} --set", TOY, SMALL],
             rf"^\| true \| not reached \(\d+\) \| {NUM} \| {NUM} \|$",
         )
     ],
     "branching_server.py": [
         (
-            ["--steps", "2", "--out", "{tmp}", "--server-url", "{url}", "--set", *TOY, "prompts_per_step=1"],
+            ["--steps 2 --out {tmp} --server-url {url} --set", TOY, "prompts_per_step=1"],
             r"^\| tree \(b 2, depth 3, 32 leaves\) \| \d+ \| \d+ \| [\d.]+ \| \S+ \| [\d.]+ \|$",
         )
     ],
     "code_density.py": [
         (["mt_grpo_trainer.py"], r"^\| mt_grpo_trainer.py, read path \| [\d,]+ \| [\d,]+ \| [\d.]+ \|")
     ],
-    "credit_snr.py": [(["--draws", "20", "--exact", "20"], r"^\d+ s wall, \d+ s of CPU$")],
+    "credit_snr.py": [(["--draws 20 --exact 20"], r"^\d+ s wall, \d+ s of CPU$")],
     "gpu_step.py": [  # its CPU smoke mode, on a small shape with the toy's tokenizer
         (
             [
-                "--tokenizer",
-                "{toy}",
-                "--layers",
-                "1",
-                "--seq",
-                "64",
-                "--samples",
-                "4",
-                "--mb-tokens",
-                "256",
-                "--steps",
-                "1",
-            ]
-            + [
-                "--cases",
-                "full",
-                "lora,padded",
-                "logprobs",
-                "--out",
-                "{tmp}/results.json",
-                "--config",
-                "vocab_size=512",
-            ]
-            + [
-                "hidden_size=64",
-                "intermediate_size=128",
-                "num_attention_heads=2",
-                "num_key_value_heads=1",
-                "head_dim=32",
+                "--tokenizer {toy} --layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1",
+                "--cases full lora,padded logprobs --out {tmp}/results.json",
+                "--config vocab_size=512 hidden_size=64 intermediate_size=128 num_attention_heads=2",
+                "num_key_value_heads=1 head_dim=32",
             ],
             r'^\[bench\] \{"case": "logprobs", "chunked": .*"max_abs_diff": ',
         )
     ],
-    "logprob_memory.py": [
-        (["--lengths", "32", "--batch", "1", "--layers", "1", "--precision", "fp32"], r"^\| fp32 \| 32 \| 32 \| \d+ \|")
-    ],
-    "long_episodes.py": [(["--turns", "2"], r"^\| 2 \| fork \(0\) \| \d+ \| \d+ \| \d+ \| \d+ \|$")],
+    "logprob_memory.py": [(["--lengths 32 --batch 1 --layers 1 --precision fp32"], r"^\| fp32 \| 32 \| 32 \| \d+ \|")],
+    "long_episodes.py": [(["--turns 2"], r"^\| 2 \| fork \(0\) \| \d+ \| \d+ \| \d+ \| \d+ \|$")],
     "long_episodes_server.py": [
         (
-            ["--model", "{toy}", "--server-url", "{url}", "--turns", "2", "--max-seq-len", "512", "--out", "{tmp}"],
+            ["--model {toy} --server-url {url} --turns 2 --max-seq-len 512 --out {tmp}"],
             r"^mean tokens per episode \d+; episodes of one sample: \d+/\d+$",
         )
     ],
     "lora_vs_full.py": [
         (
-            [TOY_KV, "--steps", "1", "--out", "{tmp}", "--server-url", "{url}", "--set", *TOY, *SMALL],
+            [TOY_KV, "--steps 1 --out {tmp} --server-url {url} --set", TOY, SMALL],
             rf"^\| full \| {NUM} \| {NUM} \| {NUM} \| not reached \| {NUM} \|$",
         )
     ],
     "merged_vs_per_turn.py": [([], rf"^\| user turns \| 16 \| all \| \d+ \| \d+ \| \d+ \| {NUM}x \|$")],
     "packing.py": [
         (
-            ["--cases", "toy", "tree", "--repeats", "1", "--out", "{tmp}", "--set", *TOY, "prompts_per_step=1"],
+            ["--cases toy tree --repeats 1 --out {tmp} --set", TOY, "prompts_per_step=1"],
             rf"^tree \(b 2, depth 3\): processed/trained {NUM} packed vs {NUM} padded; step time {NUM}x",
         )
     ],
     "paper_effect.py": [
         (
-            ["--seeds", "0", "--max-steps", "1", "--eval-every", "1", "--jobs", "1", "--out", "{tmp}"]
-            + ["--set", *TOY, *SMALL, "eval_max_examples=2", "eval_samples=1"],
+            ["--seeds 0 --max-steps 1 --eval-every 1 --jobs 1 --out {tmp} --set", TOY, SMALL, FEW_EVALS],
             r"^MT-GRPO > GRPO-MR: \d+ of 1 seeds, p = ",
         )
     ],
     "rollout_throughput.py": [
-        (
-            ["--episodes", "16", "--latency", "0.05", "--seq-episodes", "1"],
-            rf"^\| ours \| {NUM} \| {NUM}x \| {NUM}% \|$",
-        )
+        (["--episodes 16 --latency 0.05 --seq-episodes 1"], rf"^\| ours \| {NUM} \| {NUM}x \| {NUM}% \|$")
     ],
     "server_vs_local.py": [
         (
-            [TOY_KV, "--steps", "1", "--out", "{tmp}", "--server-url", "{url}", *TOY, *SMALL, "eval_steps=0"],
+            [TOY_KV, "--steps 1 --out {tmp} --server-url {url}", TOY, SMALL, "eval_steps=0"],
             rf"^server step time / local step time: {NUM}x$",
         )
     ],
     "several_servers.py": [
-        (
-            ["--part", "standin", "--latency", "0.01", "--servers", "1", "2", "--prompts", "2"],
-            rf"^\| 2 \| {NUM} \| {NUM} \| {NUM}x \|$",
-        )
+        (["--part standin --latency 0.01 --servers 1 2 --prompts 2"], rf"^\| 2 \| {NUM} \| {NUM} \| {NUM}x \|$")
     ],
     "sync_check.py": [
         (
-            ["--lrs", "1e-4", "--kinds", "partial, noise 1e-3", "--steps", "2", "--out", "{tmp}"]
-            + ["--model", "{toy}", "--server-url", "{url}"],
+            ["--lrs 1e-4 --kinds 'partial, noise 1e-3' --steps 2 --out {tmp} --model {toy} --server-url {url}"],
             r"^\| 0.0001 \| 0 \| partial, noise 1e-3 \| \d+/\d+ \|",
         )
     ],
     "toy_modes.py": [
         (
-            ["--seeds", "0", "--max-steps", "1", "--out", "{tmp}", "--set", *TOY, *SMALL, "eval_steps=0"],
+            ["--seeds 0 --max-steps 1 --out {tmp} --set", TOY, SMALL, "eval_steps=0"],
             r"^\| GRPO-MR \(`grpo_merged`\) \| (\d+|not reached) \|",
         )
     ],
     "turn_credit.py": [
         (
-            ["--seeds", "0", "--max-steps", "1", "--eval-every", "1", "--jobs", "1", "--out", "{tmp}"]
-            + ["--set", *TOY, "prompts_per_step=1", "eval_max_examples=2", "eval_samples=1"],
+            ["--seeds 0 --max-steps 1 --eval-every 1 --jobs 1 --out {tmp} --set", TOY, "prompts_per_step=1", FEW_EVALS],
             r"^MT-GRPO > GRPO-OR: \d+ of 1 seeds, p = ",
         )
     ],
-    "weight_sync.py": [(["--sizes", "25", "--repeats", "1", "--dir", "{tmp}"], rf"^\| \d+M \| {NUM} GB \| {NUM} \|")],
+    "weight_sync.py": [(["--sizes 25 --repeats 1 --dir {tmp}"], rf"^\| \d+M \| {NUM} GB \| {NUM} \|")],
 }
 
 
-def needs_server(name: str) -> bool:
-    return any("{url}" in arg for args, _ in SMOKE.get(name, []) for arg in args)
+def uses(name: str, what: str) -> bool:
+    """Whether bench `name`'s smoke runs name `what` ({toy}, {url}) in their arguments."""
+    return any(what in piece for args, _ in SMOKE.get(name, []) for piece in args)
 
 
 # The benches that share the server run last, so that it starts late and does not idle beside the others.
-NAMES = sorted((f for f in os.listdir(BENCH) if f.endswith(".py")), key=lambda f: (needs_server(f), f))
+NAMES = sorted((f for f in os.listdir(BENCH) if f.endswith(".py")), key=lambda f: (uses(f, "{url}"), f))
 
 
 @pytest.fixture(scope="module")
@@ -220,9 +174,9 @@ def test_each_bench_runs_at_a_smoke_size(name, tmp_path, request):
         return
     assert name in SMOKE, f"bench/{name} has no smoke case: add one to SMOKE in tests/test_benches.py"
     values = {}
-    if any("{toy}" in arg for args, _ in SMOKE[name] for arg in args):
+    if uses(name, "{toy}"):
         values["toy"] = request.getfixturevalue("toy_model_dir")
-    if needs_server(name):
+    if uses(name, "{url}"):
         srv = request.getfixturevalue("server")
         as_built(srv, tmp_path / "as_built")
         values["url"] = srv.url
@@ -237,7 +191,7 @@ def test_each_bench_runs_at_a_smoke_size(name, tmp_path, request):
     for k, (args, printed) in enumerate(SMOKE[name]):
         values["tmp"] = str(tmp_path / f"run{k}")
         os.makedirs(values["tmp"])
-        argv = [arg.format(**values) for arg in args]
+        argv = [arg.format(**values) for piece in args for arg in shlex.split(piece)]
         cmd = [sys.executable, os.path.join(BENCH, name), *argv]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)  # 1200: a hang
         said = f"bench/{name} {' '.join(argv)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
