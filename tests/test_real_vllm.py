@@ -312,9 +312,9 @@ def endless(client):
 
 
 def generating(url, worker, total: int):
-    """Start worker, whose requests generate `total` tokens in all, and return once the server generates them: its
-    generated-token counter has grown (its running-requests gauge cannot say: an idle engine keeps the last step's
-    value). Returns how many of the `total` tokens are still to come, read from the counter when called."""
+    """Start worker, whose requests sample `total` tokens in all, and return once the server generates them: its
+    generated-token counter has grown, so the engine has taken a step with them. Returns how many of the `total` tokens
+    are still to come, read from the counter when called."""
     before = metric(url, "vllm:generation_tokens_total")
     worker.start()
     until(lambda: metric(url, "vllm:generation_tokens_total") > before, "the server generating the requests")
@@ -337,12 +337,13 @@ def at_pause(client, to_come) -> list:
 
 
 def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, toy, tmp_path):
-    """The pause lands inside the generation by construction: every request runs to the end of the server's context
-    (ignore_eos), hundreds of decoding steps of 64 sequences, and the pause is sent once tokens are coming."""
+    """The pause lands inside the generation by construction: 128 sequences (4 requests of n = 32, sent at once: the
+    server's whole batch) each run to the end of the server's context (ignore_eos), hundreds of decoding steps, and the
+    pause is sent once the server generates them."""
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=7))]  # distinct: one request each
+    prompts = [p + [i + 20] for i, p in enumerate(toy_prompts(env, 4, seed=7)) for _ in range(32)]
     budgets = [client.max_model_len - len(p) for p in prompts]  # what generate clamps max_tokens to
     endless(client)
     calls, out = recording(client), {}
@@ -352,7 +353,7 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
     with client.weight_update(list(client.servers), 10):  # pause (abort) ... resume, as a sync does
         left = to_come()  # read while paused: nothing generates
     worker.join(timeout=300)
-    assert left > 0, "every token was generated before the pause: it came after the requests, not inside them"
+    assert left > 0, "every token was generated before the pause: it came after the sequences, not inside them"
     aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
     assert aborted, f"the server was paused with {left} tokens to come, and no request came back aborted"
     assert len(out["c"]) == len(prompts)
@@ -363,14 +364,15 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
 def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_reload(real_vllm, toy, tmp_path):
     """max_staleness >= 1: a sync pauses with mode=keep; the requests in flight are neither aborted nor sent again,
     they finish after vLLM reloads the weights, and each token's logprob is that of the weights that sampled it. The
-    sync lands inside the generation by construction: every request runs to the end of the server's context
-    (ignore_eos), hundreds of decoding steps of 128 sequences, and the sync starts once tokens are coming."""
+    sync lands inside the generation by construction: 128 sequences (4 requests of n = 32, sent at once: the server's
+    whole batch) each run to the end of the server's context (ignore_eos), hundreds of decoding steps, and the sync
+    starts once the server generates them."""
     import copy
 
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok, "max_staleness=1")
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    prompts = [p + [i % 50 + 20, i // 50 + 20] for i, p in enumerate(toy_prompts(env, 128, seed=11))]  # distinct
+    prompts = [p + [i + 20] for i, p in enumerate(toy_prompts(env, 4, seed=11)) for _ in range(32)]
     torch.manual_seed(2)
     old = type(model)(model.config)  # near-uniform: each token's logprob about -log(vocab)
     new = copy.deepcopy(old)
@@ -382,14 +384,15 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
         calls, out = recording(client), {}
         asked = [client.max_model_len] * len(prompts)
         worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, asked, 1.0)))
-        to_come = generating(client.servers[0].url, worker, sum(client.max_model_len - len(p) for p in prompts))
+        total = sum(client.max_model_len - len(p) for p in prompts)
+        to_come = generating(client.servers[0].url, worker, total)
         left = at_pause(client, to_come)
         serve(client, new, 2)  # weights written, then the keep pause, the reload and the resume
         worker.join(timeout=300)
-        assert left[0] > 0, "every token was generated before the sync: it came after the requests, not inside them"
+        assert left[0] > 0, "every token was generated before the sync: it came after the sequences, not inside them"
         assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
         sent = [c for c in calls if c["path"] == "/v1/completions"]
-        assert len(sent) == len(prompts) and not [c for c in choices(calls) if c["finish_reason"] == "abort"], (
+        assert len(sent) == 4 and not [c for c in choices(calls) if c["finish_reason"] == "abort"], (
             "a keep pause aborts nothing and nothing is sent again"
         )
         for p, c in zip(prompts, out["c"]):  # whole: frozen, then finished, never cut short
@@ -410,7 +413,7 @@ def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_re
         assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
         assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == 2), "a new request is all new"
         assert any(flags and flags[0] < flags[-1] for flags in by_new), (
-            f"the server paused with {left[0]} tokens to come, and no request has the old weights' tokens, then the new"
+            f"the server paused with {left[0]} tokens to come, and no sequence has the old weights' tokens, then the new"
         )
         [c] = client.generate([prompts[0]], [4], 1.0)
         assert c.version == 2
