@@ -349,6 +349,19 @@ def test_the_recipe_key_table_is_current_and_the_readme_shows_the_ci_command():
     assert len(readme.splitlines()) <= 300, "README.md stays short; details go to docs/"
 
 
+def test_the_default_runs_first_line_says_what_the_readme_measured():
+    """`bash run.sh` opens with the figures README's table gives for it (median [range] over seeds), so a first-time
+    user's console and the README say the same; the run's own step 1 and last-10 figures print at its end."""
+    row = next(line for line in open("README.md") if line.startswith("| in-process (`bash run.sh`)"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    script = open("run.sh").read()
+    start = script.index("training the embedded default")
+    said = script[start : script.index('exec "$PY" "$TRAINER" "$DEFAULT_RECIPE"', start)]  # the echo before the run
+    assert f"step 1 {cells[1]}" in said and f"steps 91-100 {cells[3]}" in said, (
+        f"run.sh's first line for `bash run.sh` must quote README's in-process row: {cells[1]!r}, {cells[3]!r}"
+    )
+
+
 def test_every_relative_link_in_the_docs_resolves():
     import re
 
