@@ -4289,10 +4289,15 @@ def tool_call_from(call) -> dict:
 
 
 def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int) -> dict:
-    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings)."""
+    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings). A turn
+    cut by max_tokens is `length` with no tool_calls, whole calls in it too: the trainer ended the episode truncated,
+    so no harness runs a tool whose result the trainer will not take."""
     message = {"role": "assistant", "content": reply["content"]}
-    finish = "length" if c.finish_reason == "length" else "stop"
+    finish = "stop"
     calls = reply.get("tool_calls")
+    if c.finish_reason == "length":
+        finish = "length"
+        calls = None
     if calls:
         message["tool_calls"] = []
         for k, call in enumerate(calls):
