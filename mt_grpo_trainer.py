@@ -66,6 +66,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import glob
 import fcntl
 import hashlib
 import importlib.util
@@ -3372,10 +3373,12 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
+        if path.endswith(".py"):
+            raise python_recipe_error(path)
         here = os.path.join(HERE, path)  # a shipped recipe, from any folder
         path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
-            raise ConfigError(f"recipe not found: {path}")
+            raise recipe_not_found(path)
         with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
@@ -3506,6 +3509,55 @@ def read_yaml(stream, where: str):
             problem += f" ({e.context} from line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
         fix = "save it as UTF-8 text" if isinstance(e, yaml.reader.ReaderError) else "quote values with ': ' or ' #'"
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
+
+
+COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "help")  # and run.sh's own: serve, test
+PLUGIN_KEYS = {
+    "reward": "outcome_reward_funcs",
+    "eval": "eval_dataset",
+    "dataset": "dataset",
+    "agent": "agent",
+}  # guessed
+
+
+def recipe_not_found(path: str) -> ConfigError:
+    """A recipe that is not there, often a mistyped command or path: the commands, and the nearest of both."""
+    recipes = glob.glob("hf_recipes/**/*.yaml", root_dir=HERE, recursive=True)
+    recipes += glob.glob(os.path.join(os.path.dirname(path), "*.y*ml"))
+    close = difflib.get_close_matches(path, [*COMMANDS, "serve", "test"], n=1, cutoff=0.7)
+    close += difflib.get_close_matches(path, recipes, n=1, cutoff=0.8)  # a path shares its folder with the others
+    hint = ""
+    if close:
+        hint = f" (did you mean '{close[0]}'?)"
+    commands = ", ".join(COMMANDS)
+    return ConfigError(
+        f"recipe not found: {path}{hint}. Commands: {commands} (run.sh also: serve, test); a recipe is a YAML file, "
+        "as in hf_recipes/"
+    )
+
+
+def python_recipe_error(path: str) -> ConfigError:
+    """A .py given as the recipe: a recipe is YAML, and the functions the file defines are named in one by path."""
+    here = os.path.join(HERE, path)  # a shipped plug-in, from any folder
+    full = here if not os.path.isfile(path) and os.path.isfile(here) else path
+    names = []
+    if os.path.isfile(full):  # read, not run: its top-level functions
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError), open(full) as f:
+            names = [n.name for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)]
+    examples = []
+    for name in names:
+        key = next((k for word, k in PLUGIN_KEYS.items() if word in name), None)  # a tool can have any name
+        if key == "outcome_reward_funcs":  # a list key
+            examples.append(f"'{key}: [{path}:{name}]'")
+        elif key:
+            examples.append(f"'{key}: {path}:{name}'")
+    if not examples:
+        examples = [f"'dataset: {path}:make_dataset'", f"'tools: [{path}:my_tool]'"]
+    name_them = "e.g. " + ", ".join(examples[:3])
+    return ConfigError(
+        f"{path} is Python, but a recipe is a YAML file of key: value (as in hf_recipes/). A plug-in the .py defines "
+        f"is named in a recipe by path:function, {name_them}; then run that recipe"
+    )
 
 
 def print_help():

@@ -180,6 +180,22 @@ def test_cli_reports_config_errors_without_a_traceback():
     )
 
 
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["evl"], ["recipe not found: evl (did you mean 'eval'?)", "Commands: train, eval, check-template"]),
+        (["eval", "hf_recipes/toy/toy-kv--mt-grp.yaml"], ["(did you mean 'hf_recipes/toy/toy-kv--mt-grpo.yaml'?)"]),
+        (["tasks/toy_kv_agent.py"], ["a recipe is a YAML file", "'agent: tasks/toy_kv_agent.py:agent'"]),
+        (["rewards/toy_kv_reward.py"], ["'outcome_reward_funcs: [rewards/toy_kv_reward.py:exact_answer_reward]'"]),
+    ],
+)
+def test_a_mistyped_command_or_recipe_gets_the_commands_and_the_nearest_and_a_py_gets_how_to_name_it(
+    capsys, argv, needles
+):
+    err = main_error(capsys, *argv)
+    assert all(n in err for n in needles), err
+
+
 def test_missing_plugin_file_and_function_are_named():
     with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
         M.load_object("rewards/nope.py:f", "reward")
