@@ -1455,7 +1455,11 @@ def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        return print_help()
+        try:
+            return print_help()
+        except BrokenPipeError:  # `--help | head` stopped reading: it has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises it again
+            return None
     if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
         tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
         sys.exit(tool(argv[1:]))

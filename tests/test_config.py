@@ -196,6 +196,16 @@ def test_a_mistyped_command_or_recipe_gets_the_commands_and_the_nearest_and_a_py
     assert all(n in err for n in needles), err
 
 
+def test_help_into_a_pipe_its_reader_closed_ends_without_a_traceback():
+    p = subprocess.Popen(
+        [sys.executable, "mt_grpo_trainer.py", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    p.stdout.close()  # as `| head` does once it has its lines; here before the first one (the import takes seconds)
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_missing_plugin_file_and_function_are_named():
     with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
         M.load_object("rewards/nope.py:f", "reward")
