@@ -1778,6 +1778,12 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg, run.say)
+    if eval_only and not ckpt and cfg.resume_from_checkpoint == "auto":  # asked for a trained model: never the base
+        raise ConfigError(
+            f"eval with resume_from_checkpoint=auto: '{cfg.output_dir}' holds no checkpoint, so it would evaluate the "
+            f"untrained {cfg.model_name_or_path}. Set output_dir to the trained run's folder, or drop "
+            "resume_from_checkpoint to evaluate the untrained model"
+        )
     if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
