@@ -1394,10 +1394,11 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         return {}
     m = {}
     files = []
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
         if not recs:
             continue
-        files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
+        files.append(os.path.join(cfg.output_dir, "eval", name))
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
         for fn in run.turn_fns + run.outcome_fns:
@@ -1944,8 +1945,11 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
             f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
             "(resume_from_checkpoint=auto continues a run instead)"
         )
-    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-    with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
+    folder = cfg.output_dir
+    if eval_only:  # the eval command's config, beside its results; a run makes eval/ when it evaluates
+        folder = os.path.join(cfg.output_dir, "eval")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
     return old
 

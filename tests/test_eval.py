@@ -96,6 +96,23 @@ def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()
 
 
+def test_a_run_without_evaluation_writes_no_eval_folder(tiny_model_dir, tmp_path):
+    M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=1",
+            "eval_steps=0",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+        )
+    )
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "run" / "eval").exists()
+
+
 def eval_command(tiny_model_dir, out, *extra):
     M.main(
         [
