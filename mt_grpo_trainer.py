@@ -3608,11 +3608,15 @@ def load_object(spec: str, what: str = "object"):
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
         sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
+        folder = os.path.dirname(os.path.abspath(full))
+        sys.path.insert(0, folder)  # its siblings import (`from calc import rows`), as when the file runs as a script
         try:
             spec_.loader.exec_module(module)
         except (Exception, SystemExit) as e:
             del sys.modules[mod_name]  # the next load runs the file again, not a half-made module
             raise plugin_error(e, f"{what} file '{path}' failed on import") from None
+        finally:
+            sys.path.remove(folder)
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
     return getattr(module, name)

@@ -242,6 +242,16 @@ def test_a_plugin_that_fails_on_import_is_one_line_naming_its_file_and_line(tmp_
     assert M.load_object(f"{p}:f", "tool")("k") == "k"
 
 
+def test_a_plugin_imports_the_modules_beside_it(tmp_path):
+    task = tmp_path / "my_task"
+    task.mkdir()
+    (task / "my_task_calc.py").write_text("def rows():\n    return [{'prompt': 'What is 2+2?', 'answer': '4'}]\n")
+    (task / "task.py").write_text("from my_task_calc import rows\n\ndef make_dataset():\n    return rows()\n")
+    path = list(sys.path)
+    assert M.load_rows(f"{task}/task.py:make_dataset") == [{"prompt": "What is 2+2?", "answer": "4"}]
+    assert sys.path == path, "the plug-in's folder is on sys.path only while it loads"
+
+
 PLUGINS = """
 async def lookup(key: str) -> str:
     return key
