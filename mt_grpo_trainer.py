@@ -66,6 +66,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import glob
 import fcntl
 import hashlib
 import importlib.util
@@ -1395,10 +1396,11 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         return {}
     m = {}
     files = []
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
         if not recs:
             continue
-        files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
+        files.append(os.path.join(cfg.output_dir, "eval", name))
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
         for fn in run.turn_fns + run.outcome_fns:
@@ -1456,7 +1458,11 @@ def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        return print_help()
+        try:
+            return print_help()
+        except BrokenPipeError:  # `--help | head` stopped reading: it has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises it again
+            return None
     if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
         tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
         sys.exit(tool(argv[1:]))
@@ -1779,6 +1785,12 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg, run.say)
+    if eval_only and not ckpt and cfg.resume_from_checkpoint == "auto":  # asked for a trained model: never the base
+        raise ConfigError(
+            f"eval with resume_from_checkpoint=auto: '{cfg.output_dir}' holds no checkpoint, so it would evaluate the "
+            f"untrained {cfg.model_name_or_path}. Set output_dir to the trained run's folder, or drop "
+            "resume_from_checkpoint to evaluate the untrained model"
+        )
     if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
@@ -1944,8 +1956,11 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
             f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
             "(resume_from_checkpoint=auto continues a run instead)"
         )
-    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-    with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
+    folder = cfg.output_dir
+    if eval_only:  # the eval command's config, beside its results; a run makes eval/ when it evaluates
+        folder = os.path.join(cfg.output_dir, "eval")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
     return old
 
@@ -3399,10 +3414,12 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
+        if path.endswith(".py"):
+            raise python_recipe_error(path)
         here = os.path.join(HERE, path)  # a shipped recipe, from any folder
         path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
-            raise ConfigError(f"recipe not found: {path}")
+            raise recipe_not_found(path)
         with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
@@ -3535,6 +3552,55 @@ def read_yaml(stream, where: str):
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
 
 
+COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "help")  # and run.sh's own: serve, test
+PLUGIN_KEYS = {
+    "reward": "outcome_reward_funcs",
+    "eval": "eval_dataset",
+    "dataset": "dataset",
+    "agent": "agent",
+}  # guessed
+
+
+def recipe_not_found(path: str) -> ConfigError:
+    """A recipe that is not there, often a mistyped command or path: the commands, and the nearest of both."""
+    recipes = glob.glob("hf_recipes/**/*.yaml", root_dir=HERE, recursive=True)
+    recipes += glob.glob(os.path.join(os.path.dirname(path), "*.y*ml"))
+    close = difflib.get_close_matches(path, [*COMMANDS, "serve", "test"], n=1, cutoff=0.7)
+    close += difflib.get_close_matches(path, recipes, n=1, cutoff=0.8)  # a path shares its folder with the others
+    hint = ""
+    if close:
+        hint = f" (did you mean '{close[0]}'?)"
+    commands = ", ".join(COMMANDS)
+    return ConfigError(
+        f"recipe not found: {path}{hint}. Commands: {commands} (run.sh also: serve, test); a recipe is a YAML file, "
+        "as in hf_recipes/"
+    )
+
+
+def python_recipe_error(path: str) -> ConfigError:
+    """A .py given as the recipe: a recipe is YAML, and the functions the file defines are named in one by path."""
+    here = os.path.join(HERE, path)  # a shipped plug-in, from any folder
+    full = here if not os.path.isfile(path) and os.path.isfile(here) else path
+    names = []
+    if os.path.isfile(full):  # read, not run: its top-level functions
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError), open(full) as f:
+            names = [n.name for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)]
+    examples = []
+    for name in names:
+        key = next((k for word, k in PLUGIN_KEYS.items() if word in name), None)  # a tool can have any name
+        if key == "outcome_reward_funcs":  # a list key
+            examples.append(f"'{key}: [{path}:{name}]'")
+        elif key:
+            examples.append(f"'{key}: {path}:{name}'")
+    if not examples:
+        examples = [f"'dataset: {path}:make_dataset'", f"'tools: [{path}:my_tool]'"]
+    name_them = "e.g. " + ", ".join(examples[:3])
+    return ConfigError(
+        f"{path} is Python, but a recipe is a YAML file of key: value (as in hf_recipes/). A plug-in the .py defines "
+        f"is named in a recipe by path:function, {name_them}; then run that recipe"
+    )
+
+
 def print_help():
     docs = field_docs()
     hints = typing.get_type_hints(Config)
@@ -3569,11 +3635,15 @@ def load_object(spec: str, what: str = "object"):
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
         sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
+        folder = os.path.dirname(os.path.abspath(full))
+        sys.path.insert(0, folder)  # its siblings import (`from calc import rows`), as when the file runs as a script
         try:
             spec_.loader.exec_module(module)
         except (Exception, SystemExit) as e:
             del sys.modules[mod_name]  # the next load runs the file again, not a half-made module
             raise plugin_error(e, f"{what} file '{path}' failed on import") from None
+        finally:
+            sys.path.remove(folder)
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
     return getattr(module, name)
@@ -4316,10 +4386,15 @@ def tool_call_from(call) -> dict:
 
 
 def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int) -> dict:
-    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings)."""
+    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings). A turn
+    cut by max_tokens is `length` with no tool_calls, whole calls in it too: the trainer ended the episode truncated,
+    so no harness runs a tool whose result the trainer will not take."""
     message = {"role": "assistant", "content": reply["content"]}
-    finish = "length" if c.finish_reason == "length" else "stop"
+    finish = "stop"
     calls = reply.get("tool_calls")
+    if c.finish_reason == "length":
+        finish = "length"
+        calls = None
     if calls:
         message["tool_calls"] = []
         for k, call in enumerate(calls):

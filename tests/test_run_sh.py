@@ -685,6 +685,14 @@ def test_run_sh_train_recipe_works_as_the_usage_says(tmp_path):
     assert "unknown config key 'train_gpu' in the override 'train_gpu=0' on the command line" in r.stderr
 
 
+def test_a_mistyped_command_is_one_line_with_the_commands_and_the_nearest(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "evl", timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "recipe not found: evl (did you mean 'eval'?)" in r.stderr and "Commands: train, eval" in r.stderr
+
+
 def test_a_gpu_recipe_on_a_machine_without_a_gpu_says_so_before_any_download(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     (bin_dir / "nvidia-smi").unlink()
