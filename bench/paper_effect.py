@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paired_stats import compare, comparison_line  # noqa: E402
-from seed_runs import eval_points, read_jsonl, time_split, train_all  # noqa: E402
+from seed_runs import eval_points, read_jsonl, time_split, train_all, trained_steps  # noqa: E402
 from toy_modes import MODES, ROOT, steps_to  # noqa: E402
 
 RECIPE = "hf_recipes/toy/toy-flags--mt-grpo.yaml"
@@ -160,7 +160,7 @@ def main(argv=None):
         run_dir = os.path.join(runs_dir, f"{mode}-seed{seed}")
         points = eval_points(run_dir)
         series = {p: right_call_and_answer(run_dir, p) for p in points}
-        metrics[(mode, seed)] = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        metrics[(mode, seed)] = trained_steps(run_dir)
         fig[(mode, seed)] = {
             "primary": statistics.mean(v for p, v in series.items() if p > 0),
             "series": series,

@@ -94,9 +94,18 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def trained_steps(run_dir: str) -> list[dict]:
+    """The rows of metrics.jsonl for trained steps (a row at step 0 holds the evaluation before training only)."""
+    return [m for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if m["step"] > 0]
+
+
 def eval_points(run_dir: str) -> dict[int, dict]:
-    """{step: the eval/ means and time/eval} for every evaluation of a run, step 0 included."""
-    points = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "eval", "metrics.jsonl"))}
+    """{step: the eval/ means and time/eval} for every evaluation of a run, step 0 included (a row of metrics.jsonl;
+    runs of an older trainer logged it in eval/metrics.jsonl)."""
+    points = {}
+    older = os.path.join(run_dir, "eval", "metrics.jsonl")
+    if os.path.isfile(older):
+        points = {r["step"]: r for r in read_jsonl(older)}
     for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
         if any(k.startswith("eval/") for k in m):
             points[m["step"]] = m
@@ -106,7 +115,7 @@ def eval_points(run_dir: str) -> dict[int, dict]:
 def time_split(run_dir: str, wall: dict) -> dict:
     """Where a run's wall time went: training steps (rollout + update), evaluation, and the rest (start-up: imports,
     model load; the final save; exit)."""
-    steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = trained_steps(run_dir)
     training = sum(m["time/step"] for m in steps)
     evaluation = sum(p.get("time/eval", 0.0) for p in eval_points(run_dir).values())
     return {

@@ -57,7 +57,7 @@ def run(layout, recipe, steps, out, extra):
         sys.exit(f"{layout} run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     start = re.search(r"vLLM is healthy at \S+ after (\d+) s", r.stdout)
     return (
-        [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))],
+        [m for m in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if m["step"] > 0],  # trained steps
         wall,
         int(start.group(1)) if start else None,
     )

@@ -106,7 +106,7 @@ def run(a, model, url, lr, staleness, kind):
     hist = []
     if os.path.exists(os.path.join(a.out, name, "metrics.jsonl")):  # the syncs before a stop too
         with open(os.path.join(a.out, name, "metrics.jsonl")) as f:
-            hist = [json.loads(line) for line in f]
+            hist = [m for m in map(json.loads, f) if m["step"] > 0]  # trained steps
     if not said and len(hist) < a.steps:  # SIGTERM or Ctrl-C: the trainer saved and returned early; the bench stops
         sys.exit(143)
     return hist, said

@@ -36,7 +36,7 @@ def train_modes(recipe, seeds, max_steps, runs_dir, overrides=()):
         for seed in seeds:
             out = os.path.join(runs_dir, f"{mode}-seed{seed}")
             path = os.path.join(out, "metrics.jsonl")
-            done = os.path.isfile(path) and sum(1 for _ in open(path)) == max_steps
+            done = os.path.isfile(path) and max(json.loads(line)["step"] for line in open(path)) == max_steps
             if not done:
                 if os.path.isfile(path):
                     os.remove(path)
@@ -58,7 +58,7 @@ def train_modes(recipe, seeds, max_steps, runs_dir, overrides=()):
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
-            runs[(mode, seed)] = [json.loads(line) for line in open(path)]
+            runs[(mode, seed)] = [m for m in map(json.loads, open(path)) if m["step"] > 0]  # trained steps
     return runs
 
 

@@ -58,7 +58,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paired_stats import compare, comparison_line  # noqa: E402
-from seed_runs import ROOT, eval_points, read_jsonl, time_split, train_all  # noqa: E402
+from seed_runs import ROOT, eval_points, read_jsonl, time_split, train_all, trained_steps  # noqa: E402
 
 sys.path.insert(0, ROOT)
 from rewards.toy_hops_reward import hops  # noqa: E402
@@ -106,7 +106,7 @@ def hop_reach(run_dir: str, step: int, hops_n: int, eval_rows: list[dict]) -> li
 
 def run_figures(run_dir: str, wall: dict, hops_n: int, eval_rows: list[dict]) -> dict:
     points = eval_points(run_dir)
-    steps = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = trained_steps(run_dir)
     later = [s for s in points if s > 0]
     paths = [m.get("rollout/paths_per_prompt", 8) * 4 for m in steps]  # episodes (paths) a step
     return {

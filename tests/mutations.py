@@ -224,8 +224,8 @@ MUTATIONS = [
 
 
 def copy_project(dest: str):
-    """The project's files (tracked, and untracked but not ignored) into dest/project; .venv and .cache (shared
-    builds) linked, and ../shared (the fixtures) beside it, as the tests find them."""
+    """The project's files (tracked, and untracked but not ignored) into dest/project, with .venv and .cache (shared
+    builds) linked, as the tests find them."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
     )
@@ -241,9 +241,6 @@ def copy_project(dest: str):
     for name in (".venv", ".cache"):
         if os.path.exists(os.path.join(ROOT, name)):
             os.symlink(os.path.realpath(os.path.join(ROOT, name)), os.path.join(project, name))
-    shared = os.path.realpath(os.path.join(ROOT, "..", "shared"))
-    if os.path.isdir(shared):
-        os.symlink(shared, os.path.join(dest, "shared"))
     return project
 
 

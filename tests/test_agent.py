@@ -175,6 +175,32 @@ def test_native_tool_calls_several_in_one_turn_go_out_as_tool_calls_and_come_bac
     assert trained_turns(ep) == sampler.turns
 
 
+def test_a_turn_cut_after_a_whole_tool_call_is_length_with_no_tool_calls_so_no_harness_runs_the_tool(qwen3, tmp_path):
+    """The trainer ends a cut turn `truncated`: a reply with tool_calls would have the harness run its tool and meet
+    the 410, and its library's error would become the agent_result the reward functions read."""
+    call = json.dumps({"name": "lookup", "arguments": {"key": "golf"}})
+    seen = {}
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            r = client(base_url).chat.completions.create(model="policy", messages=messages)
+            message = r.choices[0].message
+            seen.setdefault("finish", []).append(r.choices[0].finish_reason)
+            if not message.tool_calls:
+                return message.content
+            messages.append(message.model_dump(exclude_none=True))
+            for c in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": "1"})
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native")
+    sampler = ByPrompt(qwen3, lambda text: f"Looking.\n<tool_call>\n{call}\n</tool_call>\nand then", finish="length")
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert seen["finish"] == ["length"], "one request: the harness ran no tool"
+    assert ep.end_reason == "truncated" and len(ep.turns) == 1
+    assert ep.row["agent_result"].startswith("Looking."), "the reply's text, not an error of the harness"
+
+
 def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_sampled(tok, tmp_path):
     from tasks.toy_kv_agent import run_tool
 

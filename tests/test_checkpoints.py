@@ -1,6 +1,6 @@
 """Checkpoints and the run folder. Saving: a crash mid-save leaves the previous checkpoint usable; a save that
 runs out of room is one line and leaves the earlier checkpoints as they were; a fresh run
-moves an earlier one aside; a second run on a held output_dir is refused (a dead run's lock is taken over); an
+moves an earlier one aside, and one that trains no step (its evaluation at step 0 aside) puts it back; a second run on a held output_dir is refused (a dead run's lock is taken over); an
 output_dir that cannot be written is one line; a tool that changes the working folder moves no run file.
 Resuming: a resumed run equals an unbroken one down to the weights; a changed optimiser or schedule applies; a
 missing checkpoint is named; after a hard kill the run continues from the last checkpoint, with an unbroken run's
@@ -126,6 +126,39 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_earlier_run_in_place_
         sorted(p.name for p in tmp_path.iterdir()) == ["run"]
         and (tmp_path / "run" / "metrics.jsonl").read_text() == earlier
     )
+
+
+def test_a_run_that_evaluated_step_0_and_failed_in_its_first_step_leaves_the_earlier_run_in_place(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """Its evaluation at step 0 is a row of metrics.jsonl, but no trained step: the earlier run comes back. A run
+    that trained a step (unsaved) and then failed stays."""
+    common = one_small_step(tiny_model_dir)
+    M.train(recipe_cfg(tmp_path, *common))
+    earlier = (tmp_path / "run" / "metrics.jsonl").read_text()
+    update = M.train_on_samples
+    updates = []
+
+    def fails_at(k):
+        def train_on_samples(*a, **kw):
+            updates.append(1)
+            if len(updates) == k:
+                raise RuntimeError(f"update {k} failed")
+            return update(*a, **kw)
+
+        return train_on_samples
+
+    monkeypatch.setattr(M, "train_on_samples", fails_at(1))
+    with pytest.raises(RuntimeError, match="update 1 failed"):
+        M.train(recipe_cfg(tmp_path, *common, "eval_steps=1", "eval_max_examples=2", "seed=1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == earlier
+    assert "seed: 0" in (tmp_path / "run" / "config.yaml").read_text()
+    updates.clear()
+    monkeypatch.setattr(M, "train_on_samples", fails_at(2))
+    with pytest.raises(RuntimeError, match="update 2 failed"):
+        M.train(recipe_cfg(tmp_path, *common, "max_steps=2", "save_steps=0", "log_episodes_steps=0", "seed=2"))
+    assert len(list(tmp_path.iterdir())) == 2 and "seed: 2" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def test_a_second_run_on_a_held_output_dir_refuses_and_a_dead_runs_lock_is_taken_over(tiny_model_dir, tmp_path):

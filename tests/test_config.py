@@ -180,6 +180,32 @@ def test_cli_reports_config_errors_without_a_traceback():
     )
 
 
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["evl"], ["recipe not found: evl (did you mean 'eval'?)", "Commands: train, eval, check-template"]),
+        (["eval", "hf_recipes/toy/toy-kv--mt-grp.yaml"], ["(did you mean 'hf_recipes/toy/toy-kv--mt-grpo.yaml'?)"]),
+        (["tasks/toy_kv_agent.py"], ["a recipe is a YAML file", "'agent: tasks/toy_kv_agent.py:agent'"]),
+        (["rewards/toy_kv_reward.py"], ["'outcome_reward_funcs: [rewards/toy_kv_reward.py:exact_answer_reward]'"]),
+    ],
+)
+def test_a_mistyped_command_or_recipe_gets_the_commands_and_the_nearest_and_a_py_gets_how_to_name_it(
+    capsys, argv, needles
+):
+    err = main_error(capsys, *argv)
+    assert all(n in err for n in needles), err
+
+
+def test_help_into_a_pipe_its_reader_closed_ends_without_a_traceback():
+    p = subprocess.Popen(
+        [sys.executable, "mt_grpo_trainer.py", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    p.stdout.close()  # as `| head` does once it has its lines; here before the first one (the import takes seconds)
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_missing_plugin_file_and_function_are_named():
     with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
         M.load_object("rewards/nope.py:f", "reward")
@@ -214,6 +240,16 @@ def test_a_plugin_that_fails_on_import_is_one_line_naming_its_file_and_line(tmp_
     assert all(n.format(p=p) in err for n in needles), err
     p.write_text("def f(key: str) -> str:\n    return key\n")  # fixed: the next load runs the file again
     assert M.load_object(f"{p}:f", "tool")("k") == "k"
+
+
+def test_a_plugin_imports_the_modules_beside_it(tmp_path):
+    task = tmp_path / "my_task"
+    task.mkdir()
+    (task / "my_task_calc.py").write_text("def rows():\n    return [{'prompt': 'What is 2+2?', 'answer': '4'}]\n")
+    (task / "task.py").write_text("from my_task_calc import rows\n\ndef make_dataset():\n    return rows()\n")
+    path = list(sys.path)
+    assert M.load_rows(f"{task}/task.py:make_dataset") == [{"prompt": "What is 2+2?", "answer": "4"}]
+    assert sys.path == path, "the plug-in's folder is on sys.path only while it loads"
 
 
 PLUGINS = """

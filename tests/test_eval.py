@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
-from tests.conftest import recipe_cfg
+from tests.conftest import main_error, recipe_cfg
 
 
 def test_eval_command_runs_greedy_episodes_and_writes_the_table(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -64,6 +64,20 @@ def test_eval_without_an_eval_dataset_is_a_clear_error(tiny_model_dir, tmp_path,
     assert "eval needs eval_dataset" in capsys.readouterr().err
 
 
+def test_eval_of_the_newest_checkpoint_where_there_is_none_stops_and_says_so(tmp_path, capsys):
+    err = main_error(
+        capsys,
+        "eval",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tmp_path}/none",
+        "model_builder=",
+        f"output_dir={tmp_path}/run",
+        "resume_from_checkpoint=auto",
+    )
+    assert f"'{tmp_path}/run' holds no checkpoint, so it would evaluate the untrained {tmp_path}/none" in err, err
+    assert not (tmp_path / "run").exists(), "nothing evaluated, nothing written"
+
+
 def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
     hist = M.train(
         recipe_cfg(
@@ -78,8 +92,26 @@ def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
             "max_tokens=12",
         )
     )
-    assert "eval/exact_answer_reward" not in hist[0] and "eval/exact_answer_reward" in hist[1]
+    assert [h["step"] for h in hist] == [0, 1, 2], "step 0: the evaluation before training, a row of its own"
+    assert ["eval/exact_answer_reward" in h for h in hist] == [True, False, True]
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()
+
+
+def test_a_run_without_evaluation_writes_no_eval_folder(tiny_model_dir, tmp_path):
+    M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=1",
+            "eval_steps=0",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+        )
+    )
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "run" / "eval").exists()
 
 
 def eval_command(tiny_model_dir, out, *extra):
@@ -116,21 +148,32 @@ def test_sampled_eval_is_seeded_so_a_rerun_gives_the_same_episodes(tiny_model_di
     assert "temperature 1.0, seeded" in capsys.readouterr().out
 
 
-def test_training_evaluates_the_model_at_step_0_too(tiny_model_dir, tmp_path):
-    M.train(
-        recipe_cfg(
-            tmp_path,
-            f"model_name_or_path={tiny_model_dir}",
-            "model_builder=",
-            "max_steps=1",
-            "eval_steps=1",
-            "eval_max_examples=2",
-            "prompts_per_step=2",
-            "num_generations=2",
-            "max_tokens=12",
-        )
-    )
+def test_the_evaluation_at_step_0_is_a_metrics_row_kept_once_on_resume_and_in_the_summary(
+    tiny_model_dir, tmp_path, capsys
+):
+    """The model before training is a row of metrics.jsonl (its eval/ keys at step 0), which the closing summary
+    compares with the last evaluation; a run resumed from a checkpoint keeps it once and logs every later step once."""
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        "eval_steps=2",
+        "eval_max_examples=2",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "save_steps=1",
+        "log_episodes_steps=0",
+    ]
+    M.train(recipe_cfg(tmp_path, *common, "max_steps=2"))
     assert (tmp_path / "run" / "eval" / "step-0.jsonl").is_file()
-    assert (tmp_path / "run" / "eval" / "step-1.jsonl").is_file()
-    baseline = [json.loads(x) for x in open(tmp_path / "run" / "eval" / "metrics.jsonl")]
-    assert [b["step"] for b in baseline] == [0] and "eval/exact_answer_reward" in baseline[0]
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {k for k in rows[0] if k.startswith("eval/")} == {k for k in rows[2] if k.startswith("eval/")} != set()
+    assert "reward/outcome" not in rows[0], "step 0 trained nothing"
+    out = capsys.readouterr().out
+    first, last = (r["eval/exact_answer_reward"] for r in (rows[0], rows[2]))
+    assert f"eval/exact_answer_reward {first:.3f} (step 0) -> {last:.3f} (step 2)" in out, out
+    assert "before/after: step 1 -> step 2" in out
+    M.train(recipe_cfg(tmp_path, *common, "max_steps=2", f"resume_from_checkpoint={tmp_path}/run/checkpoint-1"))
+    again = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in again] == [0, 1, 2] and again[:2] == rows[:2]

@@ -16,7 +16,6 @@ import mt_grpo_trainer as M
 import check_template as CT
 from conftest import recipe_cfg
 from test_env import make_env, tool_call
-from test_templates import FIX
 from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
 from test_turn_credit import ByTurn
 
@@ -159,7 +158,6 @@ def test_the_toy_group_and_tree_give_each_samples_own_logprobs_and_gradient(tok,
     assert assert_exact(model, toy_tree(tok, tmp_path), autocast) > 0, "a branch's context is held once"
 
 
-@pytest.mark.skipif(not os.path.isdir(FIX), reason="needs ../shared/fixtures (the real Qwen3 tokenizer)")
 @pytest.mark.parametrize("boundary", ["fork", "realign"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16"])
 def test_forks_and_realigns_inside_branches_are_exact(qwen3, boundary, autocast):

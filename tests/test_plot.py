@@ -12,8 +12,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def write_run(folder, steps: int, slope: float, eval_every: int = 0):
+    """A run's metrics.jsonl, as the trainer writes it: with evaluation, a row of step 0 (the model before training)."""
     folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as f:
+        if eval_every:
+            f.write(json.dumps({"step": 0, "eval/exact_answer_reward": 0.0, "time/eval": 0.1}) + "\n")
         for step in range(1, steps + 1):
             m = {"step": step, "reward/outcome": slope * step / steps, "reward/turn": 0.5, "time/step": 0.1}
             m.update({"rollout/tool_calls": 1.0, "loss/policy": 0.01 * (-1) ** step})
@@ -62,3 +65,21 @@ def test_a_short_runs_summary_compares_its_first_and_last_steps_and_draws_its_cu
         f"run files in {cfg.output_dir}: config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/, curves.png" in out
     )
     assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG)
+
+
+def test_the_eval_panels_start_at_step_0_and_the_summary_compares_it_with_the_last_eval(tmp_path, capsys, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # plot() closes its figure: kept here, to read what was drawn
+    cfg = recipe_cfg(tmp_path)
+    write_run(tmp_path / "run", 4, 1.0, eval_every=2)
+    history = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[:5]]
+    M.summarize(cfg, history)
+    out = capsys.readouterr().out
+    assert "before/after: step 1, then 2-step means" in out and "reward/outcome         0.250 | 0.375 -> 0.875" in out
+    assert "eval/exact_answer_reward 0.000 (step 0) -> 1.000 (step 4)" in out and "(step 2)" not in out, out
+    assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG)
+    panels = {ax.get_title(): ax for ax in figures[0].axes}
+    assert list(panels["eval: exact_answer_reward (greedy)"].lines[0].get_xdata()) == [0, 2, 4]
+    assert list(panels["outcome reward"].lines[0].get_xdata()) == [1, 2, 3, 4], "trained steps only"

@@ -702,6 +702,7 @@ def test_the_agent_recipe_trains_through_run_sh_on_the_running_server(real_vllm,
         "prompts_per_step=4",  # 32 episodes: some call the tool (the warm-started policy, about a quarter of them)
         "num_generations=4",
         "log_episodes_steps=1",
+        "eval_steps=0",
         f"output_dir={tmp_path}/run",
         f"weight_sync_dir={tmp_path}/shm",
     ]
@@ -1006,10 +1007,10 @@ def test_a_failed_reload_stops_the_sync_at_once_and_the_standin_dies_as_vllm_doe
 
 def test_a_server_for_other_hosts_refuses_every_route_without_the_token(tiny_model_dir, tmp_path, monkeypatch):
     """`MTGRPO_VLLM_HOST` another host can reach, with `MTGRPO_VLLM_TOKEN`: `bash run.sh serve` puts vLLM (its CPU
-    build, real) on 127.0.0.1 behind vllm_front.py. From the other host every route, the dev-mode ones that change
-    the weights included, answers 401 without the token or with a wrong one, and vLLM's own port is not reachable;
-    with the token the trainer trains through it, weight syncs and their checks included; without it the trainer
-    stops at once with one line."""
+    build, real) on that address with vllm_token.py's middleware in its app. From the other host every route, the
+    dev-mode ones that change the weights included, answers 401 without the token or with a wrong one, and 256
+    completions at once are all answered with it; with the token the trainer trains through it, weight syncs and
+    their checks included; without it the trainer stops at once with one line."""
     token = "s3cret-for-this-test"
     with second_host() as (there, address):
         port = free_ports(1)
@@ -1021,8 +1022,7 @@ def test_a_server_for_other_hosts_refuses_every_route_without_the_token(tiny_mod
             served = next((line for line in proc.stdout if line.startswith("[run.sh] serving at ")), None)
             assert served, f"run.sh serve stopped (exit {proc.wait()}): {log.read_text()[-3000:]}"
             url = served.split()[3]
-            vllm_port = re.search(r"vLLM on 127\.0\.0\.1:(\d+)", log.read_text()).group(1)
-            only_the_token_gets_in(there, url, token, int(vllm_port))
+            only_the_token_gets_in(there, url, token)
             args = [
                 f"model_name_or_path={tiny_model_dir}",
                 "model_builder=",

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import free_ports, only_the_token_gets_in, recipe_cfg, second_host, stop_real_server, vllm_api_process
+from conftest import free_ports, vllm_api_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +109,8 @@ os.execv(sys.executable, cmd)
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs" and "--enable-prefix-caching" in argv
     assert "torchrun: 2 training rank(s) on GPU(s) 0,1" in r.stdout
     metrics = [json.loads(x) for x in open(run / "metrics.jsonl")]
-    assert len(metrics) == 2 and all(m["time/weight_sync"] > 0 for m in metrics)
+    assert [m["step"] for m in metrics] == [0, 1, 2], "the evaluation at step 0 logged once, by rank 0"
+    assert all(m["time/weight_sync"] > 0 for m in metrics[1:])
     assert (run / "checkpoint-2" / "model.safetensors").is_file()
     assert not port_open(port), "run.sh stops the server when training ends"
 
@@ -289,6 +290,7 @@ def test_sigterm_or_ctrl_c_to_run_sh_under_torchrun_saves_and_exits_0(tmp_path, 
                 "prompts_per_step=2",
                 "num_generations=2",
                 "max_tokens=8",
+                "eval_steps=0",  # each line of metrics.jsonl a trained step
             ],
             cwd=ROOT,
             env=sh_env(tmp_path, tmp_path, M.free_port(), {"MTGRPO_LAYOUT": "server"}),
@@ -452,6 +454,7 @@ def test_the_gpu_layout_serves_one_server_per_group_of_vllm_gpus_and_trains_with
         "prompts_per_step=4",
         "num_generations=2",
         "max_tokens=12",
+        "eval_steps=0",
         f"output_dir={run}",
         f"weight_sync_dir={tmp_path}/shm",
     )
@@ -501,6 +504,7 @@ def test_two_nodes_each_run_sh_with_every_servers_url_train_one_run(tiny_model_d
             "prompts_per_step=2",
             "num_generations=2",
             "max_tokens=12",
+            "eval_steps=0",
             f"output_dir={run}",
             f"weight_sync_dir={tmp_path}/shm",
         ]
@@ -594,7 +598,8 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_pr
 def test_a_server_for_other_hosts_needs_a_token_or_an_opt_in_that_names_the_risk(tmp_path, tiny_model_dir):
     """MTGRPO_VLLM_HOST beyond loopback: refused in one line naming what it would open, before anything starts; with
     MTGRPO_VLLM_OPEN=1 vLLM binds that address itself (the dev routes open, as chosen); with MTGRPO_VLLM_TOKEN it
-    binds 127.0.0.1 behind vllm_front.py. (The front before the real server, from a second host: test_real_vllm.)"""
+    binds it with vllm_token.py's middleware in its app. (The middleware in the real server, from a second host:
+    test_real_vllm.)"""
     bin_dir = fake_bin(tmp_path, f'#!/bin/sh\necho "$@" > {tmp_path}/launched\n')
     serve = ["serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}", "model_builder="]
     serve += ["vllm_gpus=1", "train_gpus=0"]
@@ -606,42 +611,11 @@ def test_a_server_for_other_hosts_needs_a_token_or_an_opt_in_that_names_the_risk
     assert "MTGRPO_VLLM_OPEN=1" in line[0]
     run_sh(tmp_path, bin_dir, M.free_port(), *serve, timeout=120, extra_env={**host, "MTGRPO_VLLM_OPEN": "1"})
     assert "--host 0.0.0.0" in (tmp_path / "launched").read_text()
+    assert "--middleware" not in (tmp_path / "launched").read_text()
     (tmp_path / "launched").unlink()
     run_sh(tmp_path, bin_dir, M.free_port(), *serve, timeout=120, extra_env={**host, "MTGRPO_VLLM_TOKEN": "t"})
-    assert "--host 127.0.0.1" in (tmp_path / "launched").read_text()
-
-
-def test_from_another_host_a_served_model_answers_only_the_token(tmp_path, tiny_model_dir, monkeypatch):
-    """`bash run.sh serve` with MTGRPO_VLLM_HOST on a second host's network (a network namespace) and a token, its
-    server a stand-in behind a fake `vllm`: every route, the dev ones included, answers 401 from the other host
-    without the token; the trainer trains and syncs through the front with it, and stops in one line without it.
-    (The same against the real vLLM CPU build: test_real_vllm.)"""
-    port_of = "port=$(echo \"$@\" | sed 's/.*--port \\([0-9]*\\).*/\\1/')\n"
-    serve = f'exec {sys.executable} {ROOT}/tests/vllm_standin.py --model "$2" --port "$port" --max-model-len 512\n'
-    bin_dir = fake_bin(tmp_path, "#!/bin/sh\n" + port_of + serve)
-    token = "s3cret-for-this-test"
-    with second_host() as (there, address):
-        host = {"MTGRPO_VLLM_HOST": address, "MTGRPO_VLLM_TOKEN": token}
-        cmd = ["bash", "run.sh", "serve", "hf_recipes/toy/toy-kv--mt-grpo.yaml", f"model_name_or_path={tiny_model_dir}"]
-        cmd += ["model_builder=", "vllm_gpus=1", "train_gpus=0"]
-        env = sh_env(tmp_path, bin_dir, M.free_port(), host)
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            served = next((line for line in p.stdout if line.startswith("[run.sh] serving at ")), None)
-            assert served, f"run.sh serve stopped (exit {p.wait()})"
-            url = served.split()[3]
-            vllm_port = (tmp_path / "vllm.log").read_text().split("vLLM on 127.0.0.1:")[1].split()[0]
-            only_the_token_gets_in(there, url, token, int(vllm_port))
-            args = [f"model_name_or_path={tiny_model_dir}", "model_builder=", f"vllm_server_url={url}"]
-            args += ["prompts_per_step=2", "num_generations=2", "max_tokens=8", "max_steps=2", "log_episodes_steps=0"]
-            monkeypatch.delenv("MTGRPO_VLLM_TOKEN", raising=False)
-            with pytest.raises(M.SamplerError, match="HTTP 401"):
-                M.train(recipe_cfg(tmp_path / "without", *args))
-            monkeypatch.setenv("MTGRPO_VLLM_TOKEN", token)
-            hist = M.train(recipe_cfg(tmp_path / "with", *args, f"weight_sync_dir={tmp_path}/shm"))
-            assert [h["step"] for h in hist] == [1, 2] and all(h["sync/servers_checked"] == 1 for h in hist)
-        finally:
-            stop_real_server(p)  # run.sh's EXIT trap stops the front and the stand-in behind it
+    assert "--middleware vllm_token.TokenCheck" in (tmp_path / "launched").read_text()
+    assert "--host 0.0.0.0" in (tmp_path / "launched").read_text()
 
 
 def recording_python(path, log, version_ok=True):
@@ -709,6 +683,14 @@ def test_run_sh_train_recipe_works_as_the_usage_says(tmp_path):
     )
     assert r.returncode == 1 and "recipe not found" not in r.stderr, r.stderr
     assert "unknown config key 'train_gpu' in the override 'train_gpu=0' on the command line" in r.stderr
+
+
+def test_a_mistyped_command_is_one_line_with_the_commands_and_the_nearest(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "evl", timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "recipe not found: evl (did you mean 'eval'?)" in r.stderr and "Commands: train, eval" in r.stderr
 
 
 def test_a_gpu_recipe_on_a_machine_without_a_gpu_says_so_before_any_download(tmp_path):

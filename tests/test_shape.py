@@ -1,6 +1,7 @@
 """The trainer reads in one sitting: its size, its order, its longest function, and that it stands alone."""
 
 import ast
+import os
 import inspect
 import re
 
@@ -22,6 +23,8 @@ FEATURE_TOKENS = {
     "the method's read path one idea per line: named groups and values, keyword calls, one step seed, wrapped key docstrings (issue 35)": 140,
     "runs started together build a missing model once (a lock beside it), one place that says which devices use FlexAttention": 86,
     "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_795,
+    "the evaluation at step 0 a row of metrics.jsonl, which the summary compares with the last (issue 44)": 130,
+    "sync_check: false turns the weight-sync probe off, for a server without prompt_logprobs (issue 44)": 40,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
@@ -83,7 +86,7 @@ def test_the_file_stands_alone():
     header = M.__doc__
     for i in range(1, 7):
         assert re.search(rf"^  I{i} \w", header, re.M), f"the header does not define I{i}"
-    assert "../shared" not in SOURCE and "DESIGN.md" not in SOURCE and "STYLE.md" not in SOURCE
+    assert os.path.join("..", "shared") not in SOURCE and "DESIGN.md" not in SOURCE and "STYLE.md" not in SOURCE
     assert "Worked example" in M.MultiTurnToolEnv.next_prompt.__doc__
 
 

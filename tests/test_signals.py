@@ -32,6 +32,7 @@ def start_long_run(tmp_path, tiny_model_dir, *overrides, script=("mt_grpo_traine
             "num_generations=2",
             "max_tokens=8",
             "save_steps=0",
+            "eval_steps=0",  # each line of metrics.jsonl a trained step
             *overrides,
         ],
         stdout=subprocess.PIPE,
@@ -163,9 +164,25 @@ def two_saved_steps(tmp_path_factory, tiny_model_dir):
     return out
 
 
-@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
-@pytest.mark.parametrize("save_steps", [1, 2, 3])
-@pytest.mark.parametrize("when", STOP_AT)
+def last_done(when: str, resumed: bool) -> int:
+    """The last step whose update completes when the signal lands at `when`: in the first resumed step (resumed from
+    checkpoint-2) or the second of a fresh run."""
+    k = 2 if resumed else 1  # the step (0-based) the signal lands in
+    if when == "reward":
+        return k
+    return k + 1
+
+
+SIGNAL_CASES = [  # every point, save_steps and start; "saved" only where a regular save follows that step
+    pytest.param(when, save_steps, resumed, id=f"{when}-{save_steps}-{'resumed' if resumed else 'fresh'}")
+    for resumed in (False, True)
+    for save_steps in (1, 2, 3)
+    for when in STOP_AT
+    if when != "saved" or last_done(when, resumed) % save_steps == 0
+]
+
+
+@pytest.mark.parametrize("when, save_steps, resumed", SIGNAL_CASES)
 def test_a_signal_at_any_point_saves_the_last_step_once_and_says_what_it_saved(
     tmp_path, tiny_model_dir, two_saved_steps, monkeypatch, capsys, when, save_steps, resumed
 ):
@@ -182,9 +199,7 @@ def test_a_signal_at_any_point_saves_the_last_step_once_and_says_what_it_saved(
     if resumed:
         shutil.copytree(two_saved_steps, out)
     k = start if resumed else 1  # the step (0-based) the signal lands in: the first resumed, or the second
-    done = k if when == "reward" else k + 1  # the last step whose update completed
-    if when == "saved" and done % save_steps:
-        pytest.skip("no regular save at that step")
+    done = last_done(when, resumed)  # the last step whose update completed
     now = {}  # the step being run
     saves = []  # the steps save_checkpoint wrote, in order
     release = threading.Event()  # lets the hanging reward function return once the test is done

@@ -1,5 +1,5 @@
-"""Token faithfulness across real chat templates (fixtures in ../shared): extension, forks, thinking
-retention, native tool calls, adversarial sampled ids, and the tokenization check."""
+"""Token faithfulness across real chat templates (built from pinned PyPI packages by tasks/fixtures.py): extension,
+forks, thinking retention, native tool calls, adversarial sampled ids, and the tokenization check."""
 
 import json
 import os
@@ -9,12 +9,10 @@ import pytest
 import check_template as CT
 import mt_grpo_trainer as M
 from conftest import ROOT
+from tasks import fixtures
 from test_env import ScriptedSampler, char_ids
 
-FIX = os.path.join(ROOT, "..", "shared", "fixtures")
-pytestmark = pytest.mark.skipif(
-    not os.path.isdir(FIX), reason="needs ../shared/fixtures (real tokenizer and chat templates)"
-)
+FIX = fixtures.ensure()
 TEMPLATES = ["qwen3", "qwen2_5", "llama3_1", "smollm2"]
 
 

@@ -4,6 +4,7 @@ test_signals.py.)"""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -67,9 +68,11 @@ def test_default_recipe_runs_two_steps_from_the_command_line(tmp_path, toy_model
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "model built" not in r.stdout and "before/after" in r.stdout and str(run) in r.stdout
+    assert re.search(r"eval/exact_answer_reward +\d\.\d{3} \(step 0\)\n", r.stdout), "the baseline, in the summary"
     for noise in ("Writing model shards", "Loading weights", "it/s]", "Warning"):  # output to a file: step lines only
         assert noise not in r.stdout + r.stderr, r.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    baseline, *metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert baseline["step"] == 0 and 0 <= baseline["eval/exact_answer_reward"] <= 1, "the recipe's step-0 evaluation"
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["reward/outcome"] <= 1 and m["rollout/sampled_tokens"] > 0 for m in metrics)
     saved = M.load_config(str(run / "config.yaml"))  # the resolved config reloads as a recipe

@@ -15,16 +15,10 @@ from rewards import triviaqa_reward as R
 from tasks import triviaqa as T
 from tools import wiki_search as W
 
-FIXTURES = os.path.join(os.path.dirname(M.__file__), "..", "shared", "fixtures")
-WIKI18 = os.path.join(FIXTURES, "wiki18_sample_1000.jsonl")
-TQA = os.path.join(FIXTURES, "triviaqa_sample_allennlp.jsonl")
-EVIDENCE = os.path.join(FIXTURES, "triviaqa_sample_allennlp_wiki_evidence.jsonl")
-
-
-def fixture(path):
-    if not os.path.isfile(path):
-        pytest.skip(f"needs ../shared/fixtures ({os.path.basename(path)})")
-    return path
+DATA = os.path.join(os.path.dirname(M.__file__), "tasks", "data")  # sources and licences: tasks/data/SOURCES.md
+WIKI18 = os.path.join(DATA, "wiki18_sample_1000.jsonl")
+TQA = os.path.join(DATA, "triviaqa_sample_allennlp.jsonl")
+EVIDENCE = os.path.join(DATA, "triviaqa_sample_allennlp_wiki_evidence.jsonl")
 
 
 def call(query):
@@ -61,7 +55,7 @@ def test_normalisation_is_triviaqas():
 
 
 def test_normalisation_reproduces_the_datasets_normalized_aliases():
-    for line in open(fixture(TQA)):
+    for line in open(TQA):
         a = json.loads(line)["answer"]
         assert {R.normalize_answer(x) for x in a["aliases"]} == set(a["normalized_aliases"])
         assert R.normalize_answer(a["value"]) == a["normalized_value"]
@@ -252,7 +246,7 @@ def test_rewards_plug_into_the_trainers_score():
 @pytest.fixture()
 def wiki(monkeypatch, tmp_path):
     """wiki_search over the 1,000-passage wiki-18 sample, with a fresh index cache."""
-    monkeypatch.setenv("WIKI_SEARCH_CORPUS", fixture(WIKI18))
+    monkeypatch.setenv("WIKI_SEARCH_CORPUS", WIKI18)
     monkeypatch.setenv("WIKI_SEARCH_CACHE", str(tmp_path / "cache"))
     for var in ("WIKI_SEARCH_URL", "WIKI_SEARCH_TOPK", "WIKI_SEARCH_MAX_CHARS"):
         monkeypatch.delenv(var, raising=False)
@@ -342,7 +336,7 @@ def evidence(monkeypatch, tmp_path):
     questions by question_id."""
     corpus = tmp_path / "evidence.jsonl"
     with open(corpus, "w") as f:
-        for line in open(fixture(EVIDENCE)):
+        for line in open(EVIDENCE):
             art = json.loads(line)
             words = art["text"].split()
             for j in range(0, len(words), 100):
@@ -352,7 +346,7 @@ def evidence(monkeypatch, tmp_path):
     monkeypatch.delenv("WIKI_SEARCH_URL", raising=False)
     monkeypatch.setenv("WIKI_SEARCH_TOPK", "3")
     monkeypatch.setenv("WIKI_SEARCH_MAX_CHARS", "1500")
-    return {r["question_id"]: r for r in T.rows_of(T.read_local(fixture(TQA)))}
+    return {r["question_id"]: r for r in T.rows_of(T.read_local(TQA))}
 
 
 def test_title_text_corpora_and_a_real_question_end_to_end(evidence):
@@ -525,7 +519,7 @@ def test_remote_retriever_retries_then_fails_clearly(remote, monkeypatch):
 
 
 def test_fixture_rows_have_the_columns_and_a_deterministic_disjoint_split():
-    path = fixture(TQA)
+    path = TQA
     train, ev = T.make_dataset("train", path=path, eval_size=3), T.make_dataset("eval", path=path, eval_size=3)
     assert (len(train), len(ev)) == (6, 3)
     assert (
@@ -546,7 +540,7 @@ def test_fixture_rows_have_the_columns_and_a_deterministic_disjoint_split():
 
 
 def test_recipe_functions_read_the_environment(monkeypatch):
-    monkeypatch.setenv("TRIVIAQA_PATH", fixture(TQA))
+    monkeypatch.setenv("TRIVIAQA_PATH", TQA)
     monkeypatch.setenv("TRIVIAQA_EVAL_SIZE", "2")
     monkeypatch.delenv("TRIVIAQA_TRAIN_SIZE", raising=False)
     rows = M.load_rows("tasks/triviaqa.py:train_rows")
@@ -562,7 +556,7 @@ def test_recipe_functions_read_the_environment(monkeypatch):
 
 
 def test_official_json_parquet_and_flat_layouts(tmp_path):
-    recs = [json.loads(line) for line in open(fixture(TQA))]
+    recs = [json.loads(line) for line in open(TQA)]
     want = T.rows_of(recs)
     official = {
         "Data": [
@@ -602,7 +596,7 @@ def test_hub_source_reads_train_and_validation_and_dedupes(monkeypatch):
     """The Hugging Face path, with load_dataset answered locally (no hub here): the real column mapping."""
     import datasets
 
-    recs = [json.loads(line) for line in open(fixture(TQA))]
+    recs = [json.loads(line) for line in open(TQA)]
     calls = []
 
     def fake_load_dataset(name, config, split):
@@ -629,14 +623,14 @@ def test_hub_source_reads_train_and_validation_and_dedupes(monkeypatch):
 
 
 def test_the_sample_recipe_reads_its_questions_and_corpus_from_the_repository():
-    """A fresh clone has no ../shared: the CPU recipe's TriviaQA sample ships in tasks/data, the files the
-    fixtures hold (source and licence in tasks/data/SOURCES.md)."""
+    """A fresh clone has nothing beside it: the CPU recipe's TriviaQA sample ships in tasks/data, with its source and
+    licence in tasks/data/SOURCES.md."""
     from tasks import triviaqa_sample as S
 
-    root = os.path.dirname(os.path.abspath(M.__file__))
-    for shipped, fixture_file in ((S.QUESTIONS, TQA), (S.EVIDENCE, EVIDENCE)):
-        assert os.path.commonpath([root, shipped]) == root and os.path.isfile(shipped), shipped
-        if os.path.isfile(fixture_file):
-            assert open(shipped, "rb").read() == open(fixture_file, "rb").read()
-    assert "CC BY-SA" in open(os.path.join(root, "tasks", "data", "SOURCES.md")).read()
+    for shipped in (S.QUESTIONS, S.EVIDENCE):
+        assert os.path.commonpath([DATA, shipped]) == DATA and os.path.isfile(shipped), shipped
+    sources = open(os.path.join(DATA, "SOURCES.md")).read()
+    for name in os.listdir(DATA):
+        assert name == "SOURCES.md" or f"`{name}`" in sources, f"{name} ships without its source in SOURCES.md"
+    assert "CC BY-SA" in sources
     assert len(T.read_local(S.QUESTIONS)) == 9

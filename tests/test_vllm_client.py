@@ -422,6 +422,33 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
         M.train(recipe_cfg(tmp_path / "skipped", *common))
 
 
+def test_a_server_without_prompt_logprobs_stops_at_its_first_sync_naming_sync_check_which_turns_the_probe_off(
+    server, tiny_model_dir, tmp_path, capsys
+):
+    """A proxy in front of vLLM, or another engine, that drops prompt_logprobs: the probe cannot be scored, and the
+    error names the key that turns it off; with it off the run trains past its syncs, and says at start what is then
+    unchecked."""
+    common = [
+        f"model_name_or_path={tiny_model_dir}",
+        "model_builder=",
+        f"vllm_server_url={server.url}",
+        f"weight_sync_dir={tmp_path}/shm",
+        "prompts_per_step=2",
+        "num_generations=2",
+        "max_tokens=12",
+        "max_steps=2",
+    ]
+    server.faults.omit_prompt_logprobs_next(1)
+    with pytest.raises(M.SamplerError, match=r"returned no prompt_logprobs .*needs sync_check: false"):
+        M.train(recipe_cfg(tmp_path / "checked", *common))
+    server.faults.omit_prompt_logprobs_next(1)
+    hist = M.train(recipe_cfg(tmp_path / "unchecked", *common, "sync_check=false"))
+    assert [m["step"] for m in hist] == [1, 2] and server.reloads == 1 + 3, "synced before step 1 and after each step"
+    assert all(m["time/weight_sync"] > 0 and not any(k.startswith("sync/") for k in m) for m in hist)
+    assert server.faults.left("omit_prompt_logprobs") == 1, "no probe was sent"
+    assert "sync_check: false: no weight sync is checked" in capsys.readouterr().out
+
+
 def test_greedy_duplicates_go_as_one_n1_request(server, tmp_path):
     """vLLM refuses n > 1 with temperature 0; greedy copies are identical, so one request serves all."""
     client = client_for(server, tmp_path)

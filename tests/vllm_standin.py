@@ -141,7 +141,7 @@ class Faults:
     """Fault injection, changeable while serving. fail/drop count the next K POST /v1/completions; the
     response-mangling kinds count the next K successful completion responses."""
 
-    KINDS = ("fail", "drop", "malformed", "omit_token_ids", "omit_logprobs", "bad_token")
+    KINDS = ("fail", "drop", "malformed", "omit_token_ids", "omit_logprobs", "omit_prompt_logprobs", "bad_token")
 
     def __init__(self):
         self._lock, self._slots, self._busy = threading.Lock(), threading.Condition(), 0
@@ -203,6 +203,9 @@ class Faults:
 
     def omit_logprobs_next(self, k=1):
         self._add("omit_logprobs", k)  # logprobs null
+
+    def omit_prompt_logprobs_next(self, k=1):
+        self._add("omit_prompt_logprobs", k)  # prompt_logprobs null where asked for (a proxy that drops the field)
 
     def bad_token_next(self, k=1):
         self._add("bad_token", k)  # a token id == vocab size in token_ids
@@ -699,6 +702,8 @@ class StandinServer:
     def _response(self, r, prompts, outs, aborted):
         choices, n_gen = [], 0
         omit_lps = r["logprobs"] is not None and self.faults.take("omit_logprobs")
+        if r["prompt_lps"] and self.faults.take("omit_prompt_logprobs"):
+            r["prompt_lps"] = None
         for k, (p, per_prompt) in enumerate(zip(prompts, outs)):
             for ids, lps, fr in per_prompt:
                 ids, lps, fr, stop_reason, text = self._finish(list(ids), list(lps), fr, r)
