@@ -32,7 +32,7 @@ exploratory variant (10 warmup steps to the same 1e-3 peak) collapsed for good o
 ran to max_tokens), and seed 0 of the measured recipe dipped to 0.00-0.08 at steps 2-6: a 1e-3 peak sits near where
 this model breaks, and a user's machine may land on the other side. The same decay from the old constant's 5e-4 keeps
 the first steps as the earlier recipe took them (no collapse in any run measured) and still quiets the late ones.
-Design: `... --seeds 0 1 2 3 4 5 --jobs 2 --out bench/runs/default-5e-4 learning_rate=5.0e-4` (cosine to 0 at step
+Design: `... RECIPE learning_rate=5.0e-4 --seeds 0 1 2 3 4 5 --jobs 2 --out bench/runs/default-5e-4` (cosine to 0 at step
 100, all else as the recipe). Prediction: steps 91-100 >= 0.85 on every seed, median about 0.89; trailing-10 >= 0.8
 at a median step of about 45; steps 1-10 near the constant recipe's, no dip. Decision rule, fixed before the run: the
 default becomes the 5e-4 peak if (a) every seed's steps 91-100 outcome is >= 0.8, (b) their median is >= 0.850,
