@@ -4081,7 +4081,6 @@ TRAINER_ENDS = ("truncated", "max_env_steps", "context", "replay_diverged")  # t
 # Request fields, decided one by one (docs/agents.md). Refused with a 400 that names the field, when set otherwise:
 REFUSED = {
     "n": (1, "one choice per request: each request is one turn of one episode"),
-    "stream": (False, "this endpoint answers whole replies; set stream=False"),
     "logprobs": (False, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
     "top_logprobs": (None, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
     "stop": (None, "the tool format decides where a turn stops"),
@@ -4090,6 +4089,7 @@ REFUSED = {
     "logit_bias": (None, "a bias changes the distribution the trainer trains on"),
 }
 OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
+ROUTES = (("POST", "chat/completions"), ("GET", "models"))  # under each episode's /episodes/<key>/v1
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 410: "gone", 500: "server_error"}
 
 
@@ -4414,6 +4414,40 @@ def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int)
     }
 
 
+def completion_chunks(body: dict, include_usage: bool) -> list[dict]:
+    """A chat completion as the `chat.completion.chunk`s of a stream (the turn is sampled whole, then sent): the role
+    and the text, the tool calls, the finish reason, then the usage where `stream_options.include_usage` asks."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+    done = ChatCompletion.model_validate(body)
+    message = done.choices[0].message
+    deltas = [{"role": "assistant", "content": message.content}]
+    if message.tool_calls:
+        deltas.append({"tool_calls": [{"index": k, **c.model_dump()} for k, c in enumerate(message.tool_calls)]})
+    choices = [{"index": 0, "delta": ChoiceDelta.model_validate(d)} for d in deltas]
+    choices.append({"index": 0, "delta": ChoiceDelta(), "finish_reason": done.choices[0].finish_reason})
+    head = dict(id=done.id, created=done.created, model=done.model, object="chat.completion.chunk")
+    chunks = [ChatCompletionChunk(**head, choices=[choice]) for choice in choices]
+    if include_usage:
+        chunks.append(ChatCompletionChunk(**head, choices=[], usage=done.usage))
+    return [chunk.model_dump(mode="json", exclude_none=True) for chunk in chunks]
+
+
+def server_sent(events: list[dict], named: bool) -> list[str]:
+    """Server-sent events: each `data: <json>`, under `event: <its type>` where named (the Responses API's), or
+    closed by `data: [DONE]` (chat completions')."""
+    out = []
+    for event in events:
+        name = ""
+        if named:
+            name = f"event: {event['type']}\n"
+        out.append(f"{name}data: {json.dumps(event)}\n\n")
+    if not named:
+        out.append("data: [DONE]\n\n")
+    return out
+
+
 def run_harness(agent, state: AgentEpisode, url: str):
     try:
         state.result.set_result(agent(copy.deepcopy(state.ep.row), url))
@@ -4473,9 +4507,9 @@ class SamplingQueue:
 
 
 class AgentEndpoint:
-    """127.0.0.1 on a free port, for one rollout: POST /episodes/<key>/v1/chat/completions and GET .../v1/models.
-    Each episode's URL names it; an unknown one gets 404, one whose harness ended 410, a bad request 400 naming its
-    field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
+    """127.0.0.1 on a free port, for one rollout: each episode's base_url, /episodes/<key>/v1, serves ROUTES (a chat
+    completion, whole or streamed, and the models). An unknown episode or route gets 404, an episode whose harness
+    ended 410, a bad request 400 naming its field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
 
     def __init__(self, env: AgentEnv, sampler, generator, temperature: float, branching: bool):
         import http.server
@@ -4533,24 +4567,43 @@ class AgentEndpoint:
         except AgentError as e:
             kind = ERROR_TYPES[e.status]
             status, body = e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}
+        kind = "application/json"
         data = json.dumps(body).encode()
+        if isinstance(body, list):  # server-sent events, whole: a Content-Length body of events is a valid stream
+            kind = "text/event-stream"
+            data = "".join(body).encode()
         handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Type", kind)
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)
 
-    def answer(self, path: str, raw: bytes | None) -> dict:
-        hit = re.fullmatch(r"/episodes/([^/]+)/v1/(chat/completions|models)", path.split("?")[0])
+    def answer(self, path: str, raw: bytes | None) -> dict | list[str]:
+        """A JSON body, or a stream's server-sent events."""
+        hit = re.fullmatch(r"/episodes/([^/]+)/v1/(.*)", path.split("?")[0])
         state = self.states.get(hit.group(1)) if hit else None
         if state is None:
             raise AgentError(404, f"no episode at {path}: each harness gets its own base_url")
-        if hit.group(2) == "models" or raw is None:
+        route = (("POST" if raw is not None else "GET"), hit.group(2))
+        if route not in ROUTES:
+            served = ", ".join(f"{method} {name}" for method, name in ROUTES)
+            raise AgentError(404, f"no route {route[0]} {path}: an episode's base_url serves {served}")
+        if route[1] == "models":
             return {"object": "list", "data": [{"id": AGENT_MODEL, "object": "model", "owned_by": "mt-grpo"}]}
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as e:
             raise AgentError(400, f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise AgentError(400, "the request body must be a JSON object")
+        completion = self.turn(state, body)
+        if not body.get("stream"):
+            return completion
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return server_sent(completion_chunks(completion, include_usage), named=False)
+
+    def turn(self, state: AgentEpisode, body: dict) -> dict:
+        """The environment's turn for one request, under the episode's lock: its chat completion."""
         if not state.lock.acquire(blocking=False):  # another thread of this harness is in a turn
             self.env.count("concurrent_requests")
             state.lock.acquire()

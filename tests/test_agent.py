@@ -201,6 +201,94 @@ def test_a_turn_cut_after_a_whole_tool_call_is_length_with_no_tool_calls_so_no_h
     assert ep.row["agent_result"].startswith("Looking."), "the reply's text, not an error of the harness"
 
 
+LOOKUP = {
+    "type": "function",
+    "function": {"name": "lookup", "description": "d", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def two_lookups_then_answer(text):
+    """Native calls: two lookups in one turn, then an answer once their results are in."""
+    if "<tool_response>" in text:
+        return "The values are known."
+    calls = [{"name": "lookup", "arguments": {"key": k}} for k in ("golf", "kilo")]
+    return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+
+
+def streamed_message(stream) -> tuple[dict, str, object]:
+    """A harness's fold of `chat.completion.chunk`s: the message, the finish reason, the usage (None if none came)."""
+    message = {"role": None, "content": ""}
+    calls = {}
+    finish = None
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            message["role"] = delta.role or message["role"]
+            message["content"] += delta.content or ""
+            for c in delta.tool_calls or []:
+                call = calls.setdefault(
+                    c.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                call["id"] += c.id or ""
+                call["function"]["name"] += c.function.name or ""
+                call["function"]["arguments"] += c.function.arguments or ""
+            finish = choice.finish_reason or finish
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return message, finish, usage
+
+
+def test_a_streamed_turn_is_the_whole_turn_as_chunks_and_comes_back_as_the_same_turn(qwen3, tmp_path):
+    """The real client's stream, folded as a harness folds it: the same message (text, native tool calls with their ids
+    and JSON arguments), finish reason and usage as the whole reply, so the episode is token for token the same."""
+    seen = {}
+
+    def agent(row, base_url, stream):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            kw = dict(model="policy", messages=messages, tools=[LOOKUP])
+            if stream:
+                usage_asked = len(messages) == 1  # the first turn asks for the usage chunk, the second does not
+                kw.update(stream=True, stream_options={"include_usage": True} if usage_asked else None)
+                message, finish, usage = streamed_message(client(base_url).chat.completions.create(**kw))
+            else:
+                r = client(base_url).chat.completions.create(**kw)
+                message = r.choices[0].message.model_dump(exclude_none=True)
+                finish = r.choices[0].finish_reason
+                usage = r.usage
+            seen.setdefault(stream, []).append((message, finish, usage and usage.model_dump(exclude_none=True)))
+            messages.append(message)
+            if not message.get("tool_calls"):
+                return message["content"]
+            for c in message["tool_calls"]:
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": c["id"],
+                        "content": TABLE[json.loads(c["function"]["arguments"])["key"]],
+                    }
+                )
+
+    eps = {}
+    for stream in (False, True):
+        env = agent_env(qwen3, tmp_path, lambda row, url: agent(row, url, stream), "tool_format=native")
+        sampler = ByPrompt(qwen3, two_lookups_then_answer, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        [eps[stream]] = env.rollout(rows(["golf"]), sampler)
+    (first, finish, usage), (second, finish2, usage2) = seen[True]
+    assert (finish, finish2) == ("tool_calls", "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in first["tool_calls"]] == [{"key": "golf"}, {"key": "kilo"}]
+    assert second == {"role": "assistant", "content": "The values are known."}
+    assert usage == seen[False][0][2] and usage["completion_tokens"] > 0 and usage2 is None
+    assert [m for m, _, _ in seen[True]] == [m for m, _, _ in seen[False]], "the stream carries the whole reply"
+    a, b = eps[True], eps[False]
+    assert a.end_reason == "answer" and a.forks == 0 and len(a.samples) == 1, "the streamed reply came back as sent"
+    assert [(s.input_ids, s.loss_mask, s.sampler_logprobs) for s in a.samples] == [
+        (s.input_ids, s.loss_mask, s.sampler_logprobs) for s in b.samples
+    ]
+
+
 def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_sampled(tok, tmp_path):
     from tasks.toy_kv_agent import run_tool
 
@@ -235,7 +323,6 @@ def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overr
         messages = [{"role": "user", "content": row["prompt"]}]
         asks = {
             "n": dict(n=2),
-            "stream": dict(stream=True),
             "logprobs": dict(logprobs=True),
             "model": dict(model="gpt-4o"),
             "stop": dict(stop=["x"]),
@@ -254,7 +341,7 @@ def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overr
     env = agent_env(tok, tmp_path, agent, "temperature=1.0")
     sampler = ByPrompt(tok, lambda text: "<answer>x</answer>")
     [ep] = env.rollout(rows(["golf"]), sampler)
-    assert sorted(errors) == ["logprobs", "messages", "model", "n", "stop", "stream", "tool_choice", "tools"]
+    assert sorted(errors) == ["logprobs", "messages", "model", "n", "stop", "tool_choice", "tools"]
     for name, (status, param, message) in errors.items():
         assert status == 400 and param == name, message
     assert "'policy'" in errors["model"][2] and "tool_format" in errors["tools"][2]
