@@ -4082,14 +4082,18 @@ TRAINER_ENDS = ("truncated", "max_env_steps", "context", "replay_diverged")  # t
 REFUSED = {
     "n": (1, "one choice per request: each request is one turn of one episode"),
     "logprobs": (False, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
-    "top_logprobs": (None, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
+    "top_logprobs": (0, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
     "stop": (None, "the tool format decides where a turn stops"),
     "presence_penalty": (0, "a penalty changes the distribution the trainer trains on"),
     "frequency_penalty": (0, "a penalty changes the distribution the trainer trains on"),
     "logit_bias": (None, "a bias changes the distribution the trainer trains on"),
 }
 OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
-ROUTES = (("POST", "chat/completions"), ("GET", "models"))  # under each episode's /episodes/<key>/v1
+ROUTES = (
+    ("POST", "chat/completions"),
+    ("POST", "responses"),
+    ("GET", "models"),
+)  # under each episode's /episodes/<key>/v1
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 410: "gone", 500: "server_error"}
 
 
@@ -4354,13 +4358,15 @@ class AgentEnv(MultiTurnToolEnv):
                 if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                     raise AgentError(400, "messages: only text content parts are served", "messages")
                 content = "".join(p["text"] for p in content)
-            if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+            if role not in ("system", "developer", "user", "assistant", "tool") or not isinstance(content, str):
                 raise AgentError(
                     400,
                     f"messages: a message of role {role!r} with text content is not served "
-                    "(roles: system, user, assistant, tool)",
+                    "(roles: system, developer, user, assistant, tool)",
                     "messages",
                 )
+            if role == "developer":  # the system message, as newer OpenAI models name it
+                role = "system"
             msg = {"role": role, "content": self.chat.norm(content)}
             if role == "tool":
                 msg = self.fmt.result(msg["content"])
@@ -4412,6 +4418,177 @@ def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int)
         "choices": [choice],
         "usage": usage,
     }
+
+
+# The Responses API (POST .../v1/responses) is the same turn: its request becomes a chat completions request, and the
+# chat completion its Response. Its own fields, decided one by one (docs/agents.md); those not named are ignored.
+RESPONSES_REFUSED = {
+    "previous_response_id": "this endpoint stores no responses; send the whole conversation as input",
+    "conversation": "this endpoint stores no conversations; send the whole conversation as input",
+    "prompt": "this endpoint stores no prompts; send instructions and input",
+    "background": "each request is one turn, answered once it is sampled",
+}
+RESPONSES_FIELDS = ("model", "temperature", "top_p", "tool_choice", "stream", "top_logprobs", "parallel_tool_calls")
+
+
+def chat_request(body: dict) -> dict:
+    """A Responses API request -> the chat completions request of the same turn: `instructions` the system message,
+    `input` the messages, its function tools the chat tools, `max_output_tokens` the cap; the sampling fields as they
+    are, for the same checks. Whether and how long the policy thinks is the recipe's: `reasoning` is ignored."""
+    for name, why in RESPONSES_REFUSED.items():
+        if body.get(name):
+            raise AgentError(400, f"{name} is not served: {why}", name)
+    out = {name: body[name] for name in RESPONSES_FIELDS if name in body}
+    out["messages"] = messages_from_input(body.get("instructions"), body.get("input"))
+    if body.get("tools"):
+        out["tools"] = [chat_tool(tool) for tool in body["tools"]]
+    if body.get("max_output_tokens") is not None:
+        out["max_completion_tokens"] = body["max_output_tokens"]
+    if (body.get("text") or {}).get("format", {"type": "text"}) not in ({"type": "text"}, None):
+        raise AgentError(400, "text.format: only text; sampling is not constrained", "text")
+    if "message.output_text.logprobs" in (body.get("include") or ()):
+        why = REFUSED["logprobs"][1]
+        raise AgentError(400, f"include: message.output_text.logprobs is not served: {why}", "include")
+    return out
+
+
+def chat_tool(tool) -> dict:
+    """A Responses function tool (name, description, parameters, strict at its top) -> a chat completions tool."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise AgentError(400, f"tools: only function tools with a name are served, got {kind!r}", "tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def messages_from_input(instructions, items) -> list[dict]:
+    """The Responses API's input items -> chat messages. A message's text parts are joined; each function_call joins
+    the assistant message before it, as its tool_calls (a turn that only called tools has no message item); a
+    function_call_output is a tool message. Reasoning items are left out: this endpoint returns none (the sampled
+    thinking stays in the message's text, verbatim, so a reply sent back is the turn it was)."""
+    messages = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise AgentError(400, "input: a string or a non-empty list of input items is required", "input")
+    for item in items:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": input_text(item.get("content"))})
+        elif kind == "function_call":
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            function = {"name": item.get("name"), "arguments": item.get("arguments")}
+            call = {"id": item.get("call_id"), "type": "function", "function": function}
+            messages[-1]["tool_calls"] = messages[-1].get("tool_calls", []) + [call]
+        elif kind == "function_call_output":
+            output = input_text(item.get("output"))
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind != "reasoning":
+            raise AgentError(
+                400,
+                f"input: an item of type {kind!r} is not served "
+                "(types: message, function_call, function_call_output, reasoning)",
+                "input",
+            )
+    return messages
+
+
+def input_text(content):
+    """A Responses message's or tool output's content: a string, or text parts (input_text, output_text) joined."""
+    if not isinstance(content, list):
+        return content
+    if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text") for p in content):
+        raise AgentError(400, "input: only text content parts (input_text, output_text) are served", "input")
+    return "".join(p["text"] for p in content)
+
+
+def response_body(completion: dict, request: dict) -> dict:
+    """The chat completion of a turn as the Responses API's Response: its text an output_text message (none when the
+    turn only called tools), each tool call a function_call item; a turn cut at max_tokens is incomplete."""
+    from openai.types.responses import Response
+
+    choice = completion["choices"][0]
+    message = choice["message"]
+    key = completion["id"].removeprefix("chatcmpl-")
+    status = "completed"
+    if choice["finish_reason"] == "length":
+        status = "incomplete"
+    output = []
+    if message["content"] or not message.get("tool_calls"):
+        text = {"type": "output_text", "text": message["content"], "annotations": []}
+        output.append({"type": "message", "id": f"msg_{key}", "role": "assistant", "status": status, "content": [text]})
+    for call in message.get("tool_calls") or []:
+        function = call["function"]
+        item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": status}
+        output.append({**item, "name": function["name"], "arguments": function["arguments"]})
+    usage = completion["usage"]
+    body = {
+        "id": f"resp_{key}",
+        "object": "response",
+        "created_at": completion["created"],
+        "model": completion["model"],
+        "status": status,
+        "output": output,
+        "parallel_tool_calls": request.get("parallel_tool_calls") is not False,
+        "tool_choice": "auto",
+        "tools": request.get("tools") or [],
+        "usage": {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        },
+    }
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    return Response.model_validate(body).model_dump(mode="json", exclude_unset=True)
+
+
+def response_events(response: dict) -> list[dict]:
+    """A Response as the Responses API's stream: created, in progress, each output item added, its text or arguments
+    (one delta each), done, then completed or incomplete; each event numbered, each checked against the openai
+    package's `ResponseStreamEvent`."""
+    started = {k: v for k, v in response.items() if k not in ("usage", "incomplete_details")}
+    started = {**started, "status": "in_progress", "output": []}
+    events = [{"type": "response.created", "response": started}, {"type": "response.in_progress", "response": started}]
+    for i, item in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": item["id"]}
+        added = {"type": "response.output_item.added", "output_index": i}
+        if item["type"] == "message":
+            part = item["content"][0]
+            text = {**at, "content_index": 0, "logprobs": []}
+            events += [
+                {**added, "item": {**item, "status": "in_progress", "content": []}},
+                {"type": "response.content_part.added", **at, "content_index": 0, "part": {**part, "text": ""}},
+                {"type": "response.output_text.delta", **text, "delta": part["text"]},
+                {"type": "response.output_text.done", **text, "text": part["text"]},
+                {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
+            ]
+        else:  # a function call
+            events += [
+                {**added, "item": {**item, "status": "in_progress", "arguments": ""}},
+                {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]},
+            ]
+        events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+    events.append({"type": f"response.{response['status']}", "response": response})
+    for n, event in enumerate(events):
+        event["sequence_number"] = n
+        response_event_type().validate_python(event)
+    return events
+
+
+@functools.cache
+def response_event_type():
+    """The openai package's `ResponseStreamEvent`, as pydantic checks it (built once: it is a union of ~100 types)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    return pydantic.TypeAdapter(ResponseStreamEvent)
 
 
 def completion_chunks(body: dict, include_usage: bool) -> list[dict]:
@@ -4508,7 +4685,7 @@ class SamplingQueue:
 
 class AgentEndpoint:
     """127.0.0.1 on a free port, for one rollout: each episode's base_url, /episodes/<key>/v1, serves ROUTES (a chat
-    completion, whole or streamed, and the models). An unknown episode or route gets 404, an episode whose harness
+    completion or a Response, each whole or streamed, and the models). An unknown episode or route gets 404, an episode whose harness
     ended 410, a bad request 400 naming its field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
 
     def __init__(self, env: AgentEnv, sampler, generator, temperature: float, branching: bool):
@@ -4596,11 +4773,26 @@ class AgentEndpoint:
             raise AgentError(400, f"the request body is not JSON: {e}") from None
         if not isinstance(body, dict):
             raise AgentError(400, "the request body must be a JSON object")
+        if route[1] == "responses":
+            return self.response(state, body)
         completion = self.turn(state, body)
         if not body.get("stream"):
             return completion
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return server_sent(completion_chunks(completion, include_usage), named=False)
+
+    def response(self, state: AgentEpisode, body: dict) -> dict | list[str]:
+        """A Responses API request: the chat completions request of the same turn, its reply as a Response."""
+        try:
+            completion = self.turn(state, chat_request(body))
+        except AgentError as e:
+            if e.param == "messages":  # the messages made of instructions and input
+                e.param = "input"
+            raise
+        response = response_body(completion, body)
+        if not body.get("stream"):
+            return response
+        return server_sent(response_events(response), named=True)
 
     def turn(self, state: AgentEpisode, body: dict) -> dict:
         """The environment's turn for one request, under the episode's lock: its chat completion."""

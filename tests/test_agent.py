@@ -289,6 +289,154 @@ def test_a_streamed_turn_is_the_whole_turn_as_chunks_and_comes_back_as_the_same_
     ]
 
 
+def text_then_two_lookups(text):
+    if "<tool_response>" in text:
+        return "The values are known."
+    return "Looking both up.\n" + two_lookups_then_answer(text)
+
+
+def chat_harness(row, base_url):
+    """The Responses harness's conversation, through chat completions."""
+    messages = [{"role": "system", "content": "Look keys up."}, {"role": "user", "content": row["prompt"]}]
+    while True:
+        message = client(base_url).chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+        message = message.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for c in message.tool_calls:
+            value = TABLE[json.loads(c.function.arguments)["key"]]
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": value})
+
+
+def responses_harness(mode, seen):
+    """A Responses API harness: instructions, a string input, function tools; each reply's output items go back as
+    input (with a reasoning item of its own, left out), each call's result as a function_call_output."""
+    tool = {"type": "function", "name": "lookup", "description": "d", "parameters": LOOKUP["function"]["parameters"]}
+
+    def agent(row, base_url):
+        items = row["prompt"]
+        while True:
+            kw = dict(model="policy", instructions="Look keys up.", input=items, tools=[tool])
+            if mode == "whole":
+                r = client(base_url).responses.create(**kw)
+            elif mode == "stream":
+                events = list(client(base_url).responses.create(**kw, stream=True))
+                seen.append([e.type for e in events])
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                r = events[-1].response
+                deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+                assert deltas == r.output_text
+            else:  # the client's stream helper, which checks each event against the snapshot it builds
+                with client(base_url).responses.stream(**kw) as stream:
+                    r = stream.get_final_response()
+            assert r.status == "completed" and r.usage.output_tokens > 0
+            if isinstance(items, str):
+                items = [{"role": "user", "content": items}, {"type": "reasoning", "id": "rs_0", "summary": []}]
+            items += [item.model_dump(exclude_none=True) for item in r.output]
+            calls = [item for item in r.output if item.type == "function_call"]
+            if not calls:
+                return r.output_text
+            for c in calls:
+                output = TABLE[json.loads(c.arguments)["key"]]
+                items.append({"type": "function_call_output", "call_id": c.call_id, "output": output})
+
+    return agent
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream", "helper"])
+def test_the_responses_api_is_the_same_turn_as_a_chat_completion(qwen3, tmp_path, mode):
+    """A harness on the Responses API (whole, streamed, or through the client's stream helper) and one on chat
+    completions, with the same sampler: the same episode, token for token; each reply came back as the same turn."""
+    eps = {}
+    seen = []
+    for name, agent in (("chat", chat_harness), ("responses", responses_harness(mode, seen))):
+        env = agent_env(qwen3, tmp_path, agent, "tool_format=native")
+        sampler = ByPrompt(qwen3, text_then_two_lookups, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        [eps[name]] = env.rollout(rows(["golf"]), sampler)
+    a, b = eps["responses"], eps["chat"]
+    assert a.row["agent_result"] == b.row["agent_result"] == "The values are known."
+    assert a.end_reason == "answer" and a.tool_calls == 2 and a.forks == 0 and len(a.samples) == 1
+    assert a.completion == b.completion and a.messages == b.messages
+    assert [(s.input_ids, s.loss_mask, s.sampler_logprobs) for s in a.samples] == [
+        (s.input_ids, s.loss_mask, s.sampler_logprobs) for s in b.samples
+    ]
+    if mode == "stream":
+        item = ["response.output_item.added"]
+        text = ["response.content_part.added", "response.output_text.delta", "response.output_text.done"]
+        text += ["response.content_part.done", "response.output_item.done"]
+        call = ["response.function_call_arguments.delta", "response.function_call_arguments.done"]
+        call += ["response.output_item.done"]
+        head = ["response.created", "response.in_progress"]
+        assert seen[0] == head + item + text + (item + call) * 2 + ["response.completed"]
+        assert seen[1] == head + item + text + ["response.completed"]
+
+
+def test_responses_fields_are_refused_by_name_or_ignored_and_a_cut_turn_is_incomplete(tok, tmp_path):
+    """Each refused Responses field is a 400 naming it as the Responses API does; what a library sends by default
+    (reasoning, text verbosity, store, truncation) is served; max_output_tokens caps the turn, and a turn it cuts is
+    `incomplete` (max_output_tokens), whole or streamed. An unknown route names the routes there are."""
+    errors = {}
+    got = {}
+
+    def agent(row, base_url):
+        kw = dict(model="policy", input=row["prompt"])
+        asks = {
+            "previous_response_id": dict(previous_response_id="resp_1"),
+            "conversation": dict(conversation="conv_1"),
+            "tools": dict(tools=[{"type": "web_search"}]),
+            "input": dict(input=[{"type": "item_reference", "id": "msg_1"}]),
+            "tool_choice": dict(tool_choice="required"),
+            "text": dict(text={"format": {"type": "json_object"}}),
+            "model": dict(model="gpt-5.6-luna"),
+            "top_logprobs": dict(top_logprobs=5),
+            "include": dict(include=["message.output_text.logprobs"]),
+        }
+        for name, ask in asks.items():
+            try:
+                client(base_url).responses.create(**{**kw, **ask})
+            except openai.BadRequestError as e:
+                errors[name] = (e.status_code, e.param, e.message)
+        try:
+            client(base_url).embeddings.create(model="policy", input="x")
+        except openai.NotFoundError as e:
+            got["unknown route"] = e.message
+        defaults = dict(reasoning={"effort": "none"}, text={"verbosity": "low"}, store=False, truncation="auto")
+        ask = dict(**kw, **defaults, max_output_tokens=5, temperature=0.3)
+        if row["key"] == "stream":
+            events = list(client(base_url).responses.create(**ask, stream=True))
+            got["stream"] = (events[-1].type, events[-1].response)
+            return events[-1].response.status
+        r = client(base_url).responses.create(**ask)
+        got["whole"] = (r.status, r)
+        return r.status
+
+    budgets = []
+
+    class Budgets(ByPrompt):
+        def generate(self, prompts, max_tokens, *a, **k):
+            budgets.extend(max_tokens)
+            return super().generate(prompts, max_tokens, *a, **k)
+
+    env = agent_env(tok, tmp_path, agent, "temperature=1.0")
+    sampler = Budgets(tok, lambda text: "<reasoning>long", finish="length")
+    eps = env.rollout([{"prompt": "q", "key": "whole"}, {"prompt": "q", "key": "stream"}], sampler)
+    assert sorted(errors) == sorted(
+        ["previous_response_id", "conversation", "tools", "input", "tool_choice", "text", "model", "top_logprobs"]
+        + ["include"]
+    )
+    for name, (status, param, message) in errors.items():
+        assert status == 400 and param == name, message
+    assert "/v1/embeddings" in got["unknown route"] and "POST responses, GET models" in got["unknown route"]
+    assert budgets == [5, 5], "max_output_tokens caps the turn; refused requests sample nothing"
+    assert [ep.end_reason for ep in eps] == ["truncated", "truncated"]
+    assert got["stream"][0] == "response.incomplete"
+    for response in (got["whole"][1], got["stream"][1]):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.output_text == "<reasoning>long" and response.output[0].status == "incomplete"
+    assert env.stats() == {"agent/overridden_temperature": 2}
+
+
 def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_sampled(tok, tmp_path):
     from tasks.toy_kv_agent import run_tool
 
