@@ -5,7 +5,9 @@ come back as the same messages (so the sample extends), a harness that edits its
 the trainer refuses or overrides, and every fault as a counted outcome (I6), with nothing left listening."""
 
 import json
+import re
 import os
+import shutil
 import socket
 import threading
 import time
@@ -738,3 +740,72 @@ def test_a_harness_that_keeps_its_client_open_leaves_no_thread_behind_and_its_ow
     evaluated = env.rollout(rows(["kilo"]), ByPrompt(tok, lambda text: "<answer>x</answer>"), eval_temperature=0.0)
     assert evaluated[0].end_reason == "agent_error"
     assert evaluated[0].row["agent_result"] == "TimeoutError: the harness's own deadline"
+
+
+def kv_native_reply(text):
+    """The toy's protocol in native calls: look the key the question names up, then answer with the result."""
+    if "<tool_response>" not in text:
+        key = re.search(r'"(\w+)"', text.rsplit("<|im_start|>user", 1)[1]).group(1)  # the question's key
+        return f"<tool_call>\n{json.dumps({'name': 'lookup', 'arguments': {'key': key}})}\n</tool_call>"
+    value = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+    return f"<answer>{value}</answer>"
+
+
+def test_the_openai_agents_sdk_on_its_defaults_runs_episodes_through_the_responses_api(qwen3, tmp_path):
+    """The OpenAI Agents SDK's own loop, function tool and Responses API model: each of its requests is one turn, each
+    reply comes back as the turn it was (one sample, no fork), and the trained tokens are the sampled ones (I1)."""
+    from tasks.toy_kv_agents_sdk import agent
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native", "system_prompt=")
+    sampler = ByPrompt(qwen3, kv_native_reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+    keys = ["golf", "kilo"]
+    eps = env.rollout(rows(keys), sampler)
+    for ep, k in zip(eps, keys):
+        assert ep.row["agent_result"] == f"<answer>{TABLE[k]}</answer>", ep.row["agent_result"]
+        assert ep.end_reason == "answer" and ep.tool_calls == 1 and len(ep.turns) == 2
+        assert ep.forks == 0 and len(ep.samples) == 1 and ep.tokenization_mismatches == 0
+        assert trained_turns(ep) == [t for t in sampler.turns if t in trained_turns(ep)] and len(trained_turns(ep)) == 2
+        assert ep.messages[0]["role"] == "system" and ep.messages[0]["content"].startswith("Look the key up")
+    assert "agent/history_edits" not in env.stats()
+
+
+def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkeypatch):
+    """Two steps of the toy task run by the Agents SDK, in-process: a random model with the Qwen3 chat template (native
+    tools), a scripted sampler that answers right in one episode of each group (so its advantages are not zero)."""
+    from test_templates import FIX
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    shutil.copy(os.path.join(FIX, "qwen3_chat_template.jinja"), model_dir / "chat_template.jinja")
+
+    class RightInEveryOtherEpisode(ByPrompt):
+        """A group's episodes have consecutive sessions: one of each two answers wrong."""
+
+        def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+            outs = []
+            for prompt, session in zip(prompts, sessions):
+                self.reply = kv_native_reply
+                if session % 2:
+                    self.reply = lambda text: (
+                        "<answer>wrong</answer>" if "<tool_response>" in text else kv_native_reply(text)
+                    )
+                outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
+            return outs
+
+    def sampler(model, tok):
+        return RightInEveryOtherEpisode(tok, kv_native_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+
+    monkeypatch.setattr(M, "LocalSampler", sampler)
+    recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
+    overrides = ["agent=tasks/toy_kv_agents_sdk.py:agent", "tool_format=native", "system_prompt=", "model_builder="]
+    overrides += [f"model_name_or_path={model_dir}", f"output_dir={tmp_path}/run", "max_steps=2", "eval_steps=0"]
+    overrides += ["prompts_per_step=2", "num_generations=2", "max_tokens=128", "max_seq_len=2048"]
+    overrides += ["log_episodes_steps=1"]
+    history = M.train(M.load_config(recipe, overrides))
+    assert [m["step"] for m in history] == [1, 2]
+    for m in history:
+        assert m["rollout/tool_calls"] == 1 and m["reward/outcome"] == 0.5 and m["loss/grad_norm"] > 0, m
+    with open(f"{tmp_path}/run/episodes.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == 8 and {e["end_reason"] for e in episodes} == {"answer"}
+    assert all(e["messages"][-1]["content"].startswith("<answer>") for e in episodes)
