@@ -4693,6 +4693,7 @@ class AgentEndpoint:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body are two writes: Nagle would hold the body for an ACK
 
             def setup(self):
                 super().setup()
