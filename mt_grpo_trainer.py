@@ -47,8 +47,9 @@ or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` docu
 
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
-- a padded path: training packs samples into rows, each a prefix trie (a group's prompt and a branch's context are
-  computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still reads one row per sample;
+- padding where packing is checked exact: training packs samples into rows, each a prefix trie (a group's prompt and
+  a branch's context are computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still
+  reads one row per sample; a family not checked exact packed trains in padded rows, one sample a row (`layout`);
 - Ray: one process per GPU. By default rollout and update take turns, so `breakpoint()` works and the policy is
   exactly on-policy; max_staleness >= 1 overlaps them with one producer thread per rank (see RolloutProducer);
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
@@ -1201,9 +1202,9 @@ def token_logprobs(model, ids, attn, temperature: float):
 
 
 def packed_logprobs(model, mb: dict, temperature: float):
-    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
-    rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
-    sharing that prefix share, and its own sample's next token as the target."""
+    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's rows
+    (packed, see `pack_rows`, or padded): a trained token takes the logits at the trie node of the token before it,
+    which samples sharing that prefix share, and its own sample's next token as the target."""
     out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
     logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
@@ -1806,6 +1807,8 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     run.src = ckpt or cfg.model_name_or_path
     models = load_models(cfg, run.src, run.device)
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
+    _, why = layout(run.model.config)
+    run.say(f"[mt-grpo] {why}")
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.saved[run.start] = ckpt
@@ -2010,14 +2013,16 @@ def build_model(cfg: Config, say):
 def load_models(cfg: Config, src: str, device: torch.device):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
     frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar per load, no "Writing model shards" per save
     tokenizer = pretrained(AutoTokenizer, src)
-    kw = {"dtype": torch.float32, "attn_implementation": packed_attention(device)}
+    kw = {"dtype": torch.float32}
+    packed, _ = layout(pretrained(AutoConfig, cfg.model_name_or_path))
+    if packed:
+        kw["attn_implementation"] = packed_attention(device)
     base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)
-    check_packable(base.config, cfg.model_name_or_path)
     model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
@@ -2045,17 +2050,6 @@ def packed_attention(device: torch.device) -> str:
     AttentionInterface.register("mtgrpo_trie", trie_attention)
     AttentionMaskInterface.register("mtgrpo_trie", sdpa_mask)
     return "mtgrpo_trie"
-
-
-def check_packable(config, path: str):
-    """Training packs samples into rows with a custom 4D mask and position ids (`pack_rows`), which only some
-    decoders take as given: one with a sliding window would drop its window, another its own mask."""
-    if config.model_type not in PACKED_MODEL_TYPES or getattr(config, "use_sliding_window", False):
-        window = " with a sliding window" if getattr(config, "use_sliding_window", False) else ""
-        raise ConfigError(
-            f"model_name_or_path '{path}' is a {config.model_type} model{window}, which packed training does not "
-            f"support; use a model of type {', '.join(PACKED_MODEL_TYPES)} (no sliding window)"
-        )
 
 
 def pretrained(cls, path: str, **kw):
@@ -2979,7 +2973,7 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # families whose packed rows tests/test_packing.py checks exact
 FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
 
@@ -3005,6 +2999,34 @@ def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
         row["ids"] += ids[shared:]
         row["pos"] += range(shared, len(ids))
         held = ids
+    return rows
+
+
+def layout(config) -> tuple[bool, str]:
+    """Whether a model trains on packed rows, and the line that says why. Packing hands the model a custom mask and
+    position ids, which only a family checked exact takes as given (one with a sliding window would drop it); any
+    other causal LM trains in padded rows, one sample a row, through its own mask, as it runs anywhere else."""
+    kind = config.model_type
+    window = getattr(config, "sliding_window", None)
+    if kind not in PACKED_MODEL_TYPES:
+        return (
+            False,
+            f"padded rows: {kind} is not checked exact in packed rows (checked: {', '.join(PACKED_MODEL_TYPES)})",
+        )
+    if window:
+        return (
+            False,
+            f"padded rows: {kind} has a sliding window ({window} tokens), which the packed mask does not apply",
+        )
+    return True, f"packed rows: {kind} is checked exact"
+
+
+def padded_rows(samples: list[Sample]) -> list[dict]:
+    """One row per sample, nothing shared: `pack_rows`'s layout for a model that does not pack."""
+    rows = []
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        rows.append({"ids": s.input_ids, "pos": list(range(n)), "members": [(i, np.arange(n), 0)]})
     return rows
 
 
@@ -3057,10 +3079,11 @@ def trie_attention(module, query, key, value, attention_mask, dropout: float = 0
     return out.transpose(1, 2).contiguous(), None
 
 
-def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """One micro-batch: its packed rows, padded to the longest (no sample's token sees a pad), and per sample in
-    them the loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the
-    flat row position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
+def collate(rows: list[dict], samples: list[Sample], pad_id: int, device, packed: bool = True) -> dict:
+    """One micro-batch: its rows, padded to the longest (no sample's token sees a pad), and per sample in them the
+    loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the flat row
+    position of the token before; `tgt`, the token; `pick`, its flat [B, T] position. Packed rows take the trie's mask
+    and depth positions; padded rows (one sample each) a plain padding mask, with which the model makes its own."""
     L = max(len(row["ids"]) for row in rows)
     members = [(r, samples[i], path, held) for r, row in enumerate(rows) for i, path, held in row["members"]]
     T = max(len(s.input_ids) for _, s, _, _ in members)
@@ -3085,10 +3108,15 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
         return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
 
     in_batch = [s for _, s, _, _ in members]
+    pos = None
+    attn = pad([[1] * len(row["ids"]) for row in rows], 0, L, torch.long)
+    if packed:
+        pos = pad([row["pos"] for row in rows], 0, L, torch.long)
+        attn = attention_mask(torch.tensor(end, device=device), segments)
     return {
         "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
-        "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
-        "attn": attention_mask(torch.tensor(end, device=device), segments),
+        "pos": pos,
+        "attn": attn,
         "src": flat(src),
         "tgt": flat(tgt),
         "pick": flat(pick),
@@ -3121,18 +3149,24 @@ def chunk_logprobs(logits, targets, temperature: float):
 
 
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
-    """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
-    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
-    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that.
-    Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
+    """Micro-batches (packed or padded rows, as `layout` says) with reference logprobs (beta > 0) and pre-update
+    policy logprobs (num_iterations > 1, in train mode as the loss's forwards, so dropout acts alike on both sides of
+    the ratio). A micro-batch holds max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample),
+    in rows of at most that. Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded
+    with empty ones."""
+    packed, _ = layout(getattr(model, "module", model).config)  # DDP holds the model as .module
     longest = max((len(s.input_ids) for s in samples), default=1)
     budget = max(cfg.max_tokens_per_microbatch or cfg.micro_batch_size * longest, longest)
-    rows = pack_rows(samples, budget)
+    if packed:
+        rows = pack_rows(samples, budget)
+    else:
+        rows = padded_rows(samples)
     groups = make_microbatches(rows, budget)
     n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
     empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64), 0)]}]
-    mbs = [collate(g, samples + [filler], pad_id, device) for g in groups + [empty] * (n_mb - len(groups))]
+    fillers = [empty] * (n_mb - len(groups))
+    mbs = [collate(g, samples + [filler], pad_id, device, packed) for g in groups + fillers]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
             if cfg.num_iterations > 1:

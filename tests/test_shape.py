@@ -25,6 +25,7 @@ FEATURE_TOKENS = {
     "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_795,
     "the evaluation at step 0 a row of metrics.jsonl, which the summary compares with the last (issue 44)": 130,
     "sync_check: false turns the weight-sync probe off, for a server without prompt_logprobs (issue 44)": 40,
+    "any causal LM trains: padded rows (one sample a row) for a family not checked exact packed, a line at load says which (issue 46)": 191,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
