@@ -2078,11 +2078,22 @@ def add_lora(model, cfg: Config, src: str):
 
     if os.path.isfile(os.path.join(src, "adapter_config.json")):
         return PeftModel.from_pretrained(model, src, is_trainable=True)
-    targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    targets = lora_targets(model, cfg)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         return get_peft_model(model, lora)
+
+
+def lora_targets(model, cfg: Config) -> list[str]:
+    """lora_target_modules, with all-linear resolved to the names of the model's linear layers but the output head.
+    An MoE's router and fused experts are not linear layers, so its adapters sit on attention (and any dense MLP) in
+    every family, on purpose: peft's own all-linear adapts some families' routers and experts and not others'."""
+    if cfg.lora_target_modules != ["all-linear"]:
+        return cfg.lora_target_modules
+    head = model.get_output_embeddings()
+    linear = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head]
+    return sorted({name.rsplit(".", 1)[-1] for name in linear})
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
@@ -2973,7 +2984,11 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # families whose packed rows tests/test_packing.py checks exact
+# the families whose packed rows tests/test_models.py checks exact; any other model trains in padded rows
+PACKED_MODEL_TYPES = (
+    "llama qwen2 qwen3 qwen3_moe mistral mixtral phi3 olmo olmo2 olmoe granite granitemoe smollm3 glm glm4 gemma cohere "
+    "starcoder2 stablelm helium arcee apertus ernie4_5 hunyuan_v1_dense"
+).split()
 FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
 
@@ -3009,15 +3024,11 @@ def layout(config) -> tuple[bool, str]:
     kind = config.model_type
     window = getattr(config, "sliding_window", None)
     if kind not in PACKED_MODEL_TYPES:
-        return (
-            False,
-            f"padded rows: {kind} is not checked exact in packed rows (checked: {', '.join(PACKED_MODEL_TYPES)})",
-        )
+        return False, f"padded rows: {kind} is not a family checked exact in packed rows (see PACKED_MODEL_TYPES)"
     if window:
-        return (
-            False,
-            f"padded rows: {kind} has a sliding window ({window} tokens), which the packed mask does not apply",
-        )
+        return False, f"padded rows: {kind} has a sliding window ({window} tokens), which packed rows do not apply"
+    if getattr(config, "output_router_logits", False):
+        return False, f"padded rows: {kind} computes its router's aux loss from a padding mask, which packed rows lack"
     return True, f"packed rows: {kind} is checked exact"
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
-from test_packing import assert_exact, random_group
+from test_packing import assert_exact, random_group, toy_group, toy_tree, with_losses
 from test_train import run_cfg
 
 CPU = torch.device("cpu")
@@ -22,6 +22,33 @@ SIZES = {  # a small decoder: 2 layers, 2 heads sharing 1 KV head of size 32
     "pad_token_id": 0,
     "eos_token_id": 1,
     "bos_token_id": 2,
+}
+MOE = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+PACKED = {  # each family that packs, and what its tiny config sets beyond SIZES
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": MOE,
+    "mistral": {"sliding_window": None},  # its default window (4096) is stage 3's
+    "mixtral": MOE,
+    "phi3": {},
+    "olmo": {},
+    "olmo2": {},
+    "olmoe": MOE,
+    "granite": {},
+    "granitemoe": MOE,
+    "smollm3": {"no_rope_layers": [1, 0]},  # its second layer without rotary positions (NoPE)
+    "glm": {},
+    "glm4": {},
+    "gemma": {},
+    "cohere": {},
+    "starcoder2": {},
+    "stablelm": {},
+    "helium": {},
+    "arcee": {},
+    "apertus": {},
+    "ernie4_5": {},
+    "hunyuan_v1_dense": {},
 }
 WINDOWED = {  # families with a sliding window, set shorter than the samples so that it decides what a token sees
     "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
@@ -69,3 +96,52 @@ def test_a_family_that_packs_says_so_at_load(tiny_model_dir, tmp_path, capsys):
     history = M.train(run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=1", "save_steps=0"))
     assert history[0]["train/shared_prefix_tokens_saved"] > 0, "the group's prompt is held once"
     assert "[mt-grpo] packed rows: qwen3 is checked exact\n" in capsys.readouterr().out
+
+
+def test_every_family_that_packs_is_checked_here():
+    assert sorted(M.PACKED_MODEL_TYPES) == sorted(PACKED)
+
+
+@pytest.mark.parametrize("model_type", list(PACKED))
+def test_a_family_that_packs_gives_each_samples_own_logprobs_and_gradient(model_type, tok, tmp_path):
+    """A group, a branching tree and a long shared prefix, packed, against each sample alone (float32, 1e-5)."""
+    config = tiny_config(model_type, len(tok), **PACKED[model_type])
+    assert M.layout(config) == (True, f"packed rows: {model_type} is checked exact")
+    model = tiny_model(config)
+    assert assert_exact(model, toy_group(tok, tmp_path)) > 0, "the group's prompt is held once"
+    assert assert_exact(model, toy_tree(tok, tmp_path)) > 0, "a branch's context is held once"
+    assert assert_exact(model, random_group(len(tok), [3, 250, 7, 120, 40], shared=20)) > 0
+
+
+def test_an_moe_that_asks_for_its_routers_aux_loss_trains_padded(tok):
+    config = tiny_config("qwen3_moe", len(tok), output_router_logits=True, **MOE)
+    packed, why = M.layout(config)
+    assert not packed and "aux loss" in why
+    assert assert_exact(tiny_model(config), random_group(len(tok), [3, 70, 7, 40], shared=20)) == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mixtral", "granitemoe", "phi3", "glm4"])
+def test_lora_adapts_every_linear_layer_but_the_head_and_an_moes_attention_not_its_router_or_experts(
+    model_type, tok, tmp_path
+):
+    """all-linear: adapters on the linear layers (an MoE's router and fused experts are none), and they train."""
+    cfg = M.Config(lora_rank=4, lora_alpha=8, learning_rate=1.0, max_grad_norm=0, beta=0)
+    base = tiny_model(tiny_config(model_type, len(tok), **PACKED[model_type]))
+    linear = {n for n, m in base.named_modules() if type(m) is torch.nn.Linear and not n.endswith("lm_head")}
+    model = M.add_lora(base, cfg, str(tmp_path))
+    adapted = {
+        n.split(".lora_B")[0].removeprefix("base_model.model.") for n, _ in model.named_parameters() if ".lora_B." in n
+    }
+    assert adapted == linear and any("self_attn" in n for n in adapted)
+    assert not [n for n in adapted if "expert" in n or "router" in n or n.endswith("mlp.gate")], "no router, no experts"
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    samples = with_losses(random_group(len(tok), [30, 25, 40], shared=10))
+    M.train_on_samples(model, None, opt, sched, samples, cfg, 0)
+    moved = {
+        n.split(".lora_B")[0].removeprefix("base_model.model.")
+        for n, p in model.named_parameters()
+        if ".lora_B." in n and not p.equal(before[n])
+    }
+    assert moved == adapted, "every adapter trained"
