@@ -2040,13 +2040,15 @@ def load_models(cfg: Config, src: str, device: torch.device):
 
 
 def packed_attention(device: torch.device) -> str:
-    """The attention that packed rows need: FlexAttention on a GPU, elsewhere `trie_attention` (registered here),
-    which is SDPA for every call but the packed train step's."""
-    if device.type in FLEX_DEVICES:
-        return "flex_attention"
+    """The attention that packed rows need, registered here: on a GPU `trie_flex_attention` (FlexAttention with the
+    trie's block masks), elsewhere `trie_attention`, which is SDPA for every call but the packed train step's."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask
 
+    if device.type in FLEX_DEVICES:
+        AttentionInterface.register("mtgrpo_flex", trie_flex_attention)
+        AttentionMaskInterface.register("mtgrpo_flex", flex_attention_mask)
+        return "mtgrpo_flex"
     AttentionInterface.register("mtgrpo_trie", trie_attention)
     AttentionMaskInterface.register("mtgrpo_trie", sdpa_mask)
     return "mtgrpo_trie"
@@ -2986,8 +2988,8 @@ def full_state(model, optimizer=None, fsdp: bool = False):
 
 # the families whose packed rows tests/test_models.py checks exact; any other model trains in padded rows
 PACKED_MODEL_TYPES = (
-    "llama qwen2 qwen3 qwen3_moe mistral mixtral phi3 olmo olmo2 olmoe granite granitemoe smollm3 glm glm4 gemma cohere "
-    "starcoder2 stablelm helium arcee apertus ernie4_5 hunyuan_v1_dense"
+    "llama qwen2 qwen3 qwen3_moe mistral mixtral phi3 olmo olmo2 olmo3 olmoe granite granitemoe smollm3 glm glm4 gemma "
+    "gemma3_text cohere cohere2 starcoder2 stablelm helium arcee apertus ernie4_5 exaone4 hunyuan_v1_dense ministral"
 ).split()
 FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
@@ -3019,14 +3021,11 @@ def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
 
 def layout(config) -> tuple[bool, str]:
     """Whether a model trains on packed rows, and the line that says why. Packing hands the model a custom mask and
-    position ids, which only a family checked exact takes as given (one with a sliding window would drop it); any
-    other causal LM trains in padded rows, one sample a row, through its own mask, as it runs anywhere else."""
+    position ids, which only a family checked exact takes as given (its attention may need what the trie's does not
+    give: soft-capping, sinks); any other causal LM trains in padded rows, one sample a row, through its own mask."""
     kind = config.model_type
-    window = getattr(config, "sliding_window", None)
     if kind not in PACKED_MODEL_TYPES:
         return False, f"padded rows: {kind} is not a family checked exact in packed rows (see PACKED_MODEL_TYPES)"
-    if window:
-        return False, f"padded rows: {kind} has a sliding window ({window} tokens), which packed rows do not apply"
     if getattr(config, "output_router_logits", False):
         return False, f"padded rows: {kind} computes its router's aux loss from a padding mask, which packed rows lack"
     return True, f"packed rows: {kind} is checked exact"
@@ -3052,37 +3051,72 @@ def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
     return mbs
 
 
-def attention_mask(end: torch.Tensor, segments: list[tuple]):
+def attention_mask(end: torch.Tensor, depth: torch.Tensor, segments: list[tuple]):
     """Which keys each query sees in depth-first trie rows: key k's subtree is the span k..end[k], so query q sees k
-    iff k <= q <= end[k], its ancestors and itself. On a GPU, FlexAttention's block mask of that (it skips the blocks
-    that see nothing); elsewhere `trie_attention` runs each sample's span against its path (`segments`), and the mask
-    is a placeholder of the 4D shape that transformers passes through to it as given."""
+    iff k <= q <= end[k], its ancestors and itself. A layer with a sliding window W (the `sliding_window` its attention
+    passes) sees the ancestors fewer than W deep above the query, depth[q] - depth[k] < W, as transformers' own window
+    (kv > q - W) on one sample's row. On a GPU, FlexAttention's block mask of that (it skips the blocks that see
+    nothing), which carries the trie for `trie_flex_attention` to make a window's mask; elsewhere `trie_attention`
+    runs each sample's span against its path (`segments`), and the mask is a placeholder of the 4D shape that
+    transformers passes through to it as given."""
     R, L = end.shape
     if end.device.type in FLEX_DEVICES:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def ancestor(b, h, q, k):
-            return (k <= q) & (q <= end[b, k])
-
-        return create_block_mask(ancestor, R, None, L, L, device=end.device)
+        mask = trie_block_mask(end, depth, None)
+        mask.trie_rows = {"end": end, "depth": depth, "windowed": {}}
+        return mask
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=end.device).expand(R, 1, L, L)
     mask.trie_segments = segments
     return mask
 
 
+def trie_block_mask(end: torch.Tensor, depth: torch.Tensor, window: int | None):
+    """FlexAttention's block mask of the trie rows (see `attention_mask`), within `window` when it is not None."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, L = end.shape
+
+    def sees(b, h, q, k):
+        ancestor = (k <= q) & (q <= end[b, k])
+        if window is None:
+            return ancestor
+        return ancestor & (depth[b, q] - depth[b, k] < window)
+
+    return create_block_mask(sees, R, None, L, L, device=end.device)
+
+
+def trie_flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """FlexAttention (a GPU's packed attention): a layer with a sliding window takes the trie's block mask within its
+    window, made once a micro-batch; any other call (a full layer, the sampler's mask) is transformers' own."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    window = kwargs.get("sliding_window")
+    rows = getattr(attention_mask, "trie_rows", None)
+    if window and rows is not None:
+        if window not in rows["windowed"]:
+            rows["windowed"][window] = trie_block_mask(rows["end"], rows["depth"], window)
+        attention_mask = rows["windowed"][window]
+    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def trie_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row) attend to
-    the keys of its path, with a causal mask aligned to the path's end, so a token sees exactly its ancestors and no
-    pair that a dense [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
+    the keys of its path, the path's last tokens, so a token sees exactly its ancestors (within the layer's sliding
+    window, if it has one: see `attention_mask`) and no pair that a dense [L, L] mask would hide is computed. Any
+    other call (the sampler's, a plain mask) is SDPA's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = getattr(attention_mask, "trie_segments", None)
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    window = kwargs.get("sliding_window")  # this layer's; None for full attention
     out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
     for r, start, stop, keys in segments:
         q = query[r : r + 1, :, start:stop]
-        seen = torch.ones(stop - start, len(keys), dtype=torch.bool, device=q.device).tril(len(keys) - stop + start)
+        k_depth = torch.arange(len(keys), device=q.device)
+        q_depth = k_depth[len(keys) - (stop - start) :, None]  # the span is the path's last tokens
+        seen = k_depth <= q_depth
+        if window:
+            seen = seen & (q_depth - k_depth < window)
         k = key[r : r + 1, :, keys]
         v = value[r : r + 1, :, keys]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
@@ -3123,7 +3157,7 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device, packed
     attn = pad([[1] * len(row["ids"]) for row in rows], 0, L, torch.long)
     if packed:
         pos = pad([row["pos"] for row in rows], 0, L, torch.long)
-        attn = attention_mask(torch.tensor(end, device=device), segments)
+        attn = attention_mask(torch.tensor(end, device=device), pos, segments)
     return {
         "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
         "pos": pos,

@@ -2,11 +2,13 @@
 in padded rows, one sample a row, and the line at load says which path it took and why. Each family is a tiny random
 model of the pinned transformers' own config class (no download)."""
 
+import os
+
 import pytest
 import torch
 
 import mt_grpo_trainer as M
-from test_packing import assert_exact, random_group, toy_group, toy_tree, with_losses
+from test_packing import alone, assert_exact, packed, random_group, toy_group, toy_tree, with_losses
 from test_train import run_cfg
 
 CPU = torch.device("cpu")
@@ -29,11 +31,12 @@ PACKED = {  # each family that packs, and what its tiny config sets beyond SIZES
     "qwen2": {},
     "qwen3": {},
     "qwen3_moe": MOE,
-    "mistral": {"sliding_window": None},  # its default window (4096) is stage 3's
+    "mistral": {"sliding_window": None},  # Mistral-Nemo's; Mistral-7B's window is checked below
     "mixtral": MOE,
     "phi3": {},
     "olmo": {},
     "olmo2": {},
+    "olmo3": {},
     "olmoe": MOE,
     "granite": {},
     "granitemoe": MOE,
@@ -41,17 +44,39 @@ PACKED = {  # each family that packs, and what its tiny config sets beyond SIZES
     "glm": {},
     "glm4": {},
     "gemma": {},
+    "gemma3_text": {},
     "cohere": {},
+    "cohere2": {},
     "starcoder2": {},
     "stablelm": {},
     "helium": {},
     "arcee": {},
     "apertus": {},
     "ernie4_5": {},
+    "exaone4": {},
     "hunyuan_v1_dense": {},
+    "ministral": {},
 }
-WINDOWED = {  # families with a sliding window, set shorter than the samples so that it decides what a token sees
-    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+WINDOW = {"sliding_window": 16}  # shorter than the shared prefixes below, so that it decides what a token sees
+MIXED = {**WINDOW, "layer_types": ["sliding_attention", "full_attention"]}  # a windowed layer, then a full one
+WINDOWED = {  # each family that packs with a sliding window: on every layer, or alternating with full ones
+    "qwen2": {"use_sliding_window": True, "max_window_layers": 1, **WINDOW},  # its second layer slides
+    "qwen3": {"use_sliding_window": True, "max_window_layers": 1, **WINDOW},
+    "qwen3_moe": {"use_sliding_window": True, **WINDOW, **MOE},
+    "mistral": WINDOW,
+    "mixtral": {**WINDOW, **MOE},
+    "phi3": WINDOW,
+    "starcoder2": WINDOW,
+    "smollm3": {"use_sliding_window": True, **MIXED},
+    "gemma3_text": MIXED,
+    "cohere2": MIXED,
+    "olmo3": MIXED,
+    "exaone4": MIXED,
+    "ministral": MIXED,
+}
+NOT_PACKED = {  # families that train padded: soft-capped attention and windows (gemma2), a classic decoder (gpt2)
+    "gemma2": MIXED,
+    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},  # its default dropout is random in training
 }
 
 
@@ -78,11 +103,11 @@ def saved_model(config, tok, path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("model_type", list(WINDOWED))
+@pytest.mark.parametrize("model_type", list(NOT_PACKED))
 def test_a_family_that_does_not_pack_trains_padded_rows_exactly_and_says_so_at_load(model_type, tok, tmp_path, capsys):
-    config = tiny_config(model_type, len(tok), **WINDOWED[model_type])
-    packed, why = M.layout(config)
-    assert not packed and why.startswith(f"padded rows: {model_type} "), why
+    config = tiny_config(model_type, len(tok), **NOT_PACKED[model_type])
+    packs, why = M.layout(config)
+    assert not packs and why.startswith(f"padded rows: {model_type} "), why
     samples = random_group(len(tok), [3, 70, 7, 40], shared=20)
     assert assert_exact(tiny_model(config), samples) == 0, "padded rows share nothing"
     model_dir = saved_model(config, tok, tmp_path / "model")
@@ -113,10 +138,58 @@ def test_a_family_that_packs_gives_each_samples_own_logprobs_and_gradient(model_
     assert assert_exact(model, random_group(len(tok), [3, 250, 7, 120, 40], shared=20)) > 0
 
 
+def test_every_family_whose_config_has_a_sliding_window_is_checked_with_one(tok):
+    for model_type in M.PACKED_MODEL_TYPES:
+        if hasattr(tiny_config(model_type, len(tok), **PACKED[model_type]), "sliding_window"):
+            assert model_type in WINDOWED, model_type
+
+
+@pytest.mark.parametrize("model_type", list(WINDOWED))
+def test_a_sliding_window_packs_exactly_with_a_shared_prefix_longer_than_the_window(model_type, tok, tmp_path):
+    """A token sees its trie ancestors within the window, counted in depth positions: as each sample alone sees
+    its own last tokens. The group's prompt and the shared prefixes are longer than the 16-token window."""
+    config = tiny_config(model_type, len(tok), **WINDOWED[model_type])
+    assert M.layout(config)[0]
+    model = tiny_model(config)
+    group = toy_group(tok, tmp_path)
+    assert len(os.path.commonprefix([s.input_ids for s in group])) > 16
+    assert assert_exact(model, group) > 0
+    assert assert_exact(model, toy_tree(tok, tmp_path)) > 0
+    assert assert_exact(model, random_group(len(tok), [3, 250, 7, 120, 40], shared=40)) > 0
+
+
+def test_the_gpu_block_mask_applies_each_layers_window(monkeypatch):
+    """A GPU's packed attention, FlexAttention with the trie's block masks (`trie_flex_attention`), forward on the
+    CPU: a windowed layer and a full one against each sample alone. FlexAttention runs uncompiled here (forward only):
+    the CPU's compiled kernel fails to build for a mask that reads a tensor of depths (an inductor C++ codegen error),
+    and it is not what a GPU runs (Triton's); the masks and transformers' handling of them are what is checked."""
+    from torch.nn.attention import flex_attention
+
+    import transformers.integrations.flex_attention as hf_flex
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return flex_attention.flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
+    config = tiny_config("gemma3_text", 97, **MIXED)
+    samples = random_group(97, [3, 250, 7, 120, 40], shared=40)
+    reference = tiny_model(config)
+    monkeypatch.setattr(M, "FLEX_DEVICES", {"cpu", "cuda"})
+    model = tiny_model(config)
+    assert model.config._attn_implementation == "mtgrpo_flex"
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        got = packed(model, samples)
+        want = alone(reference, samples)
+    for lp, ref, s in zip(got, want, samples):
+        torch.testing.assert_close(lp * (torch.tensor(s.weights) != 0), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_an_moe_that_asks_for_its_routers_aux_loss_trains_padded(tok):
     config = tiny_config("qwen3_moe", len(tok), output_router_logits=True, **MOE)
-    packed, why = M.layout(config)
-    assert not packed and "aux loss" in why
+    packs, why = M.layout(config)
+    assert not packs and "aux loss" in why
     assert assert_exact(tiny_model(config), random_group(len(tok), [3, 70, 7, 40], shared=20)) == 0
 
 

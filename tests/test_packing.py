@@ -189,7 +189,7 @@ def test_the_gpu_block_mask_gives_each_samples_own_logprobs(monkeypatch):
     reference = small_qwen3(97)
     monkeypatch.setattr(M, "FLEX_DEVICES", {"cpu", "cuda"})
     model = small_qwen3(97)
-    assert model.config._attn_implementation == "flex_attention"
+    assert model.config._attn_implementation == "mtgrpo_flex"
     model.load_state_dict(reference.state_dict())
     assert not hasattr(M.collate(M.pack_rows(samples, 10**9), samples, 0, CPU)["attn"], "trie_segments")
     with torch.no_grad():
