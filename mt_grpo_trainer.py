@@ -1805,10 +1805,8 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     if dist.is_initialized():
         dist.barrier()  # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
-    models = load_models(cfg, run.src, run.device)
+    models = load_models(cfg, run.src, run.device, run.say)
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
-    _, why = layout(run.model.config)
-    run.say(f"[mt-grpo] {why}")
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
         run.saved[run.start] = ckpt
@@ -2010,16 +2008,18 @@ def build_model(cfg: Config, say):
         )
 
 
-def load_models(cfg: Config, src: str, device: torch.device):
+def load_models(cfg: Config, src: str, device: torch.device, say=print):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
-    frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
+    frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule. A line says
+    whether training packs its samples or pads them (`layout`), and why."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar per load, no "Writing model shards" per save
     tokenizer = pretrained(AutoTokenizer, src)
     kw = {"dtype": torch.float32}
-    packed, _ = layout(pretrained(AutoConfig, cfg.model_name_or_path))
+    packed, why = layout(pretrained(AutoConfig, cfg.model_name_or_path))
+    say(f"[mt-grpo] {why}")
     if packed:
         kw["attn_implementation"] = packed_attention(device)
     base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)

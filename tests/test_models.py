@@ -117,10 +117,14 @@ def test_a_family_that_does_not_pack_trains_padded_rows_exactly_and_says_so_at_l
     assert f"[mt-grpo] {why}\n" in capsys.readouterr().out, "the load line names the path and why"
 
 
-def test_a_family_that_packs_says_so_at_load(tiny_model_dir, tmp_path, capsys):
-    history = M.train(run_cfg(tmp_path, tiny_model_dir, "run", "max_steps=1", "save_steps=0"))
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_a_family_that_packs_trains_packed_rows_and_says_so_at_load(model_type, tok, tmp_path, capsys):
+    """Through train(): qwen3, and gemma3_text with a 16-token window on its first layer."""
+    config = tiny_config(model_type, len(tok), **{"qwen3": {}, "gemma3_text": MIXED}[model_type])
+    model_dir = saved_model(config, tok, tmp_path / "model")
+    history = M.train(run_cfg(tmp_path, model_dir, "run", "max_steps=1", "save_steps=0"))
     assert history[0]["train/shared_prefix_tokens_saved"] > 0, "the group's prompt is held once"
-    assert "[mt-grpo] packed rows: qwen3 is checked exact\n" in capsys.readouterr().out
+    assert f"[mt-grpo] packed rows: {model_type} is checked exact\n" in capsys.readouterr().out
 
 
 def test_every_family_that_packs_is_checked_here():
