@@ -3099,10 +3099,10 @@ def trie_flex_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def trie_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row) attend to
-    the keys of its path, the path's last tokens, so a token sees exactly its ancestors (within the layer's sliding
-    window, if it has one: see `attention_mask`) and no pair that a dense [L, L] mask would hide is computed. Any
-    other call (the sampler's, a plain mask) is SDPA's."""
+    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row, the last of
+    its path) attend to the keys of its path, so a token sees exactly its ancestors (within the layer's sliding
+    window, if it has one: see `attention_mask`; keys older than the window are not read) and no pair that a dense
+    [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = getattr(attention_mask, "trie_segments", None)
@@ -3112,13 +3112,16 @@ def trie_attention(module, query, key, value, attention_mask, dropout: float = 0
     out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
     for r, start, stop, keys in segments:
         q = query[r : r + 1, :, start:stop]
-        k_depth = torch.arange(len(keys), device=q.device)
-        q_depth = k_depth[len(keys) - (stop - start) :, None]  # the span is the path's last tokens
+        q_depth = torch.arange(len(keys) - (stop - start), len(keys), device=q.device)[:, None]  # the path's last
+        first = 0  # the path's first key that the span sees: its root, or the oldest within the window
+        if window:
+            first = max(0, len(keys) - (stop - start) - window + 1)
+        k_depth = torch.arange(first, len(keys), device=q.device)
         seen = k_depth <= q_depth
         if window:
             seen = seen & (q_depth - k_depth < window)
-        k = key[r : r + 1, :, keys]
-        v = value[r : r + 1, :, keys]
+        k = key[r : r + 1, :, keys[first:]]
+        v = value[r : r + 1, :, keys[first:]]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
         out[r : r + 1, :, start:stop] = o
     return out.transpose(1, 2).contiguous(), None

@@ -27,7 +27,7 @@ FEATURE_TOKENS = {
     "sync_check: false turns the weight-sync probe off, for a server without prompt_logprobs (issue 44)": 40,
     "any causal LM trains: padded rows (one sample a row) for a family not checked exact packed, a line at load says which (issue 46)": 185,
     "24 families checked exact in packed rows, an MoE's aux loss keeps it padded, LoRA's all-linear the same in every family (issue 46)": 90,
-    "sliding windows in the trie mask, in depth positions, on the CPU and in FlexAttention's block masks: 30 families pack (issue 46)": 226,
+    "sliding windows in the trie mask, in depth positions, on the CPU and in FlexAttention's block masks: 30 families pack (issue 46)": 278,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
