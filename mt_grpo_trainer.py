@@ -2989,7 +2989,8 @@ def full_state(model, optimizer=None, fsdp: bool = False):
 # the families whose packed rows tests/test_models.py checks exact; any other model trains in padded rows
 PACKED_MODEL_TYPES = (
     "llama qwen2 qwen3 qwen3_moe mistral mixtral phi3 olmo olmo2 olmo3 olmoe granite granitemoe smollm3 glm glm4 gemma "
-    "gemma3_text cohere cohere2 starcoder2 stablelm helium arcee apertus ernie4_5 exaone4 hunyuan_v1_dense ministral"
+    "gemma3_text cohere cohere2 starcoder2 stablelm helium arcee apertus ernie4_5 exaone4 hunyuan_v1_dense ministral "
+    "gpt_oss"
 ).split()
 FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
@@ -3102,12 +3103,21 @@ def trie_attention(module, query, key, value, attention_mask, dropout: float = 0
     """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row, the last of
     its path) attend to the keys of its path, so a token sees exactly its ancestors (within the layer's sliding
     window, if it has one: see `attention_mask`; keys older than the window are not read) and no pair that a dense
-    [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
+    [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's, or with attention
+    sinks `attend`'s."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = getattr(attention_mask, "trie_segments", None)
-    if segments is None:
+    sinks = kwargs.get("s_aux")  # gpt_oss's attention sinks, which transformers' SDPA does not compute
+    if segments is None and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if segments is None:  # a plain call with sinks: sdpa_mask's mask, or None where the call is causal
+        Q = query.shape[2]
+        K = key.shape[2]
+        seen = torch.ones(Q, K, dtype=torch.bool, device=query.device).tril(K - Q)
+        if attention_mask is not None:
+            seen = attention_mask[:, :, :, :K]
+        return attend(query, key, value, seen, dropout, scaling, sinks).transpose(1, 2).contiguous(), None
     window = kwargs.get("sliding_window")  # this layer's; None for full attention
     out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
     for r, start, stop, keys in segments:
@@ -3122,9 +3132,23 @@ def trie_attention(module, query, key, value, attention_mask, dropout: float = 0
             seen = seen & (q_depth - k_depth < window)
         k = key[r : r + 1, :, keys[first:]]
         v = value[r : r + 1, :, keys[first:]]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
-        out[r : r + 1, :, start:stop] = o
+        out[r : r + 1, :, start:stop] = attend(q, k, v, seen, dropout, scaling, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attend(q, k, v, seen, dropout: float, scaling, sinks=None):
+    """SDPA of queries over the keys each has `seen`. Attention sinks (gpt_oss: a learned logit per head in every
+    softmax, carrying no value) are one more key per head, of value 0, whose score the float mask sets to the sink."""
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
+    B, H, Q = q.shape[:3]
+    zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+    k = torch.cat([k, zero], 2)
+    v = torch.cat([v, zero], 2)
+    bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(B, H, Q, 1)
+    bias = torch.cat([bias.expand(B, H, Q, -1), sink], -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, bias, dropout, scale=scaling, enable_gqa=True)
 
 
 def collate(rows: list[dict], samples: list[Sample], pad_id: int, device, packed: bool = True) -> dict:

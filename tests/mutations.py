@@ -197,6 +197,12 @@ MUTATIONS = [
         ["tests/test_models.py", "-k", "sliding_window_packs"],
     ),
     Mutation(
+        "gpt_oss's attention sinks are dropped on the CPU (packed rows and plain calls alike)",
+        "    sinks = kwargs.get(\"s_aux\")  # gpt_oss's attention sinks, which transformers' SDPA does not compute",
+        "    sinks = None",
+        ["tests/test_models.py", "-k", "gpt_oss or sinks"],
+    ),
+    Mutation(
         "a GPU's windowed layer takes the full trie's block mask",
         '    window = kwargs.get("sliding_window")\n    rows = getattr(attention_mask, "trie_rows", None)',
         '    window = None\n    rows = getattr(attention_mask, "trie_rows", None)',

@@ -56,6 +56,7 @@ PACKED = {  # each family that packs, and what its tiny config sets beyond SIZES
     "exaone4": {},
     "hunyuan_v1_dense": {},
     "ministral": {},
+    "gpt_oss": MOE,  # attention sinks; a 128-token window on every other layer
 }
 WINDOW = {"sliding_window": 16}  # shorter than the shared prefixes below, so that it decides what a token sees
 MIXED = {**WINDOW, "layer_types": ["sliding_attention", "full_attention"]}  # a windowed layer, then a full one
@@ -73,6 +74,7 @@ WINDOWED = {  # each family that packs with a sliding window: on every layer, or
     "olmo3": MIXED,
     "exaone4": MIXED,
     "ministral": MIXED,
+    "gpt_oss": {**MIXED, **MOE},
 }
 NOT_PACKED = {  # families that train padded: soft-capped attention and windows (gemma2), a classic decoder (gpt2)
     "gemma2": MIXED,
@@ -190,6 +192,25 @@ def test_the_gpu_block_mask_applies_each_layers_window(monkeypatch):
         torch.testing.assert_close(lp * (torch.tensor(s.weights) != 0), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_sinks_are_computed_as_gpt_oss_computes_them(tok):
+    """trie_attention's plain calls (the sampler's, each sample alone) with gpt_oss's sinks, against transformers'
+    eager attention for gpt_oss; the packed rows are checked against those calls above."""
+    from transformers import AutoModelForCausalLM
+
+    samples = random_group(len(tok), [3, 250, 7, 120, 40], shared=40)
+    models = [tiny_model(tiny_config("gpt_oss", len(tok), **WINDOWED["gpt_oss"]))]
+    eager = tiny_config("gpt_oss", len(tok), **WINDOWED["gpt_oss"])
+    models.append(AutoModelForCausalLM.from_config(eager, attn_implementation="eager"))
+    models[1].load_state_dict(models[0].state_dict())
+    with torch.no_grad():
+        for sink in models[0].model.layers[0].self_attn.sinks, models[1].model.layers[0].self_attn.sinks:
+            sink.fill_(1.5)  # a sink that takes a share of every softmax
+        got = alone(models[0], samples)
+        want = alone(models[1], samples)
+    for lp, ref in zip(got, want):
+        torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_an_moe_that_asks_for_its_routers_aux_loss_trains_padded(tok):
     config = tiny_config("qwen3_moe", len(tok), output_router_logits=True, **MOE)
     packs, why = M.layout(config)
@@ -197,7 +218,7 @@ def test_an_moe_that_asks_for_its_routers_aux_loss_trains_padded(tok):
     assert assert_exact(tiny_model(config), random_group(len(tok), [3, 70, 7, 40], shared=20)) == 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mixtral", "granitemoe", "phi3", "glm4"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "phi3", "glm4"])
 def test_lora_adapts_every_linear_layer_but_the_head_and_an_moes_attention_not_its_router_or_experts(
     model_type, tok, tmp_path
 ):
