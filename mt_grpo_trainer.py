@@ -1822,11 +1822,6 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
-    if run.sampler.policy_version is not None and not cfg.sync_check:
-        run.say(
-            "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
-            "nothing would go on training off-policy without a word"
-        )
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # no training: no logprobs to check
         return run
@@ -2473,6 +2468,11 @@ class VLLMServerClient:
         say(f"[mt-grpo] sampling from {self.url} ({self.model}, max_model_len {self.max_model_len})")
         if self.max_model_len < cfg.max_seq_len:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
+        if not cfg.sync_check:
+            say(
+                "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
+                "nothing would go on training off-policy without a word"
+            )
 
     # A loop, not tenacity: measured, its Retrying with the same hooks (a signal, the health check, the deadline's
     # message) as closures took 32 more code tokens and one more dependency, and kept the same behaviour.
@@ -3515,21 +3515,28 @@ def _coerce(name: str, value, typ):
 
 
 # Ours, not pydantic's: measured (docs/recipe-keys.md), it took 232 more code tokens and a dependency, worse messages.
+def read_recipe(path: str) -> tuple[str, dict]:
+    """The recipe's path (a shipped recipe from any folder) and its YAML mapping."""
+    if path.endswith(".py"):
+        raise python_recipe_error(path)
+    here = os.path.join(HERE, path)
+    if not os.path.isfile(path) and os.path.isfile(here):
+        path = here
+    if not os.path.isfile(path):
+        raise recipe_not_found(path)
+    with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
+        raw = read_yaml(f, path) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+    return path, raw
+
+
 def load_config(path: str | None = None, overrides: list[str] = (), say=None) -> Config:
     """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail. Plug-in and data
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
-        if path.endswith(".py"):
-            raise python_recipe_error(path)
-        here = os.path.join(HERE, path)  # a shipped recipe, from any folder
-        path = here if not os.path.isfile(path) and os.path.isfile(here) else path
-        if not os.path.isfile(path):
-            raise recipe_not_found(path)
-        with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
-            raw = read_yaml(f, path) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+        path, raw = read_recipe(path)
     hints, rules = typing.get_type_hints(Config), field_rules()
     overridden = {}  # key -> its override, as written
     for ov in overrides:
