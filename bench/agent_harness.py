@@ -3,6 +3,7 @@ the harness's endpoint cost per call against the built-in environment? (issue 37
 
     .venv/bin/python bench/agent_harness.py --part overhead                 # the per-call cost, minutes
     .venv/bin/python bench/agent_harness.py --part learning                 # 12 runs of 100 steps, two at a time
+    (both: [--out DIR] for the runs and results, [--set key=value ...] more overrides of every run)
 
 Pre-registered: everything below was written and committed before any number of either part was seen.
 
@@ -94,7 +95,11 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=100, help="learning: training steps per run")
     ap.add_argument("--jobs", type=int, default=2, help="learning: trainers at once, one thread each")
     ap.add_argument("--repeats", type=int, default=10, help="overhead: rollouts of each env per variant")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=RUNS_DIR, help="the runs and results.json")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run")
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    return args
 
 
 # --- part learning --------------------------------------------------------------------------------------------
@@ -183,8 +188,8 @@ def learning_tables(fig: dict, seeds: list[int], comp: dict) -> str:
 
 def learning(args):
     name = "learning" if (args.steps, args.seeds) == (100, list(range(6))) else f"learning-{args.steps}-steps"
-    runs_dir = os.path.join(RUNS_DIR, name)
-    common = [f"max_steps={args.steps}", "eval_steps=0", "save_steps=0"]
+    runs_dir = os.path.join(args.out, name)
+    common = [f"max_steps={args.steps}", "eval_steps=0", "save_steps=0", *args.set]
     runs = {(m, s): [f"seed={s}", *common] for s in args.seeds for m in RECIPES}
     t0 = time.time()
     walls = train_all(RECIPES, runs, runs_dir, args.jobs)
@@ -306,12 +311,12 @@ def overhead(args):
     start_worker()  # one torch thread, as a trainer of the learning part
     import mt_grpo_trainer as M
 
-    out = os.path.join(RUNS_DIR, "overhead" if args.repeats == 10 else f"overhead-{args.repeats}-repeats")
+    out = os.path.join(args.out, "overhead" if args.repeats == 10 else f"overhead-{args.repeats}-repeats")
     runs = {}
     try:
         for m, recipe in RECIPES.items():
             overrides = ["seed=0", f"output_dir={out}/{m}", "resume_from_checkpoint=", "log_episodes_steps=0"]
-            runs[m] = M.setup(M.load_config(recipe, [*overrides, "eval_steps=0"]))
+            runs[m] = M.setup(M.load_config(recipe, [*overrides, "eval_steps=0", *args.set]))
         rows = runs["builtin"].batch(0)
         samplers = {
             "sampled": Timed(runs["builtin"].sampler),

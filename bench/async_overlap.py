@@ -4,6 +4,7 @@
     .venv/bin/python bench/async_overlap.py --part speed --steps 30
     .venv/bin/python bench/async_overlap.py --part learning --seeds 0 1 2 --steps 60
     .venv/bin/python bench/async_overlap.py --part filter --seeds 0 1 2 --steps 60
+    (any part: [--out DIR] for the runs, [--set key=value ...] more overrides of every run and of the model's build)
 
 - speed: the stand-in server (tests/vllm_standin.py), calibrated so that one step's rollouts take about as long as
   its update (train + weight sync): a fixed per-request latency where the update is the longer, more optimizer passes
@@ -44,13 +45,13 @@ def pinned(core):
     )
 
 
-def train(out, *overrides, server=None, core=None):
-    """One run as a user starts it; returns its metrics and wall time."""
+def train(a, out, *overrides, server=None, core=None):
+    """One run as a user starts it, with the bench's --set last; returns its metrics and wall time."""
     prefix, threads = pinned(core)
     cmd = [*prefix, "bash", "run.sh", RECIPE, *(["--server-url", server] if server else [])]
     env = {"MTGRPO_LAYOUT": "server" if server else "local", **threads}
     t = time.time()
-    args = [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", "eval_steps=0", *overrides]
+    args = [*cmd, f"output_dir={out}", "save_steps=0", "log_episodes_steps=0", "eval_steps=0", *overrides, *a.set]
     with started(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         stdout, stderr = p.communicate()
     if p.returncode:
@@ -165,7 +166,7 @@ def speed(a, model, split):
         server, url = standin(model, lat, cores[0])
         with server:
             cal[lat], _ = train(
-                os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1]
+                a, os.path.join(runs, f"cal{lat}"), "max_steps=4", f"seed={a.seeds[0]}", server=url, core=cores[1]
             )
     mean = lambda h, k: float(np.mean([m[k] for m in h[1:]]))
     rollout = mean(cal[0.0], "time/rollout")
@@ -188,6 +189,7 @@ def speed(a, model, split):
     with server:
         for k in (0, 1, 2):
             h, wall = train(
+                a,
                 os.path.join(runs, f"k{k}"),
                 f"max_steps={a.steps}",
                 f"max_staleness={k}",
@@ -221,11 +223,12 @@ def learning(a, model):
     env_cmd = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}"]  # run.sh finds the vLLM CPU build's venv
     t = time.time()
     rows = []
-    with served([*env_cmd, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}"], url, 1200):
+    with served([*env_cmd, "bash", "run.sh", "serve", RECIPE, *a.set, f"model_name_or_path={model}"], url, 1200):
         print(f"learning: vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
         for seed in a.seeds:
             for k in (0, 1):
                 h, wall = train(
+                    a,
                     os.path.join(a.out, "learning", f"s{seed}k{k}"),
                     f"max_steps={a.steps}",
                     f"max_staleness={k}",
@@ -256,6 +259,7 @@ def dynamic_sampling(a):
     for seed in a.seeds:
         for on in (False, True):
             h, wall = train(
+                a,
                 os.path.join(a.out, "filter", f"s{seed}f{int(on)}"),
                 f"max_steps={a.steps}",
                 f"filter_zero_spread_groups={str(on).lower()}",
@@ -286,8 +290,9 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: speed 30, learning/filter 60)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="bench/runs/async_overlap")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run")
     a = ap.parse_args()
-    cfg = M.load_config(RECIPE, [f"output_dir={a.out}/build"])
+    cfg = M.load_config(RECIPE, [f"output_dir={a.out}/build", *a.set])
     M.build_model_if_missing(cfg, print)
     model = os.path.abspath(cfg.model_name_or_path)
     steps = a.steps

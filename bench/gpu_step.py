@@ -7,7 +7,9 @@ direct [B, T, vocab] log-softmax: peak memory, time and the largest difference b
         checkpointing; and full,padded, lora,padded: the trainer's padded rows, one sample a row, bench/packing.py's)
 
 Packed against padded on the Qwen3-1.7B shape: `--cases full full,padded --group 8` (a group of 8 shares its prompt).
-A tiny smoke check on a CPU: `--layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1 --cases full full,padded`.
+A tiny smoke check on a CPU: `--layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1 --cases full full,padded`;
+smaller still with `--config hidden_size=64 ...` (overrides of the model's config) and a small tokenizer's folder as
+--tokenizer (the vocabulary then only has to hold its ids: the samples are random ids below vocab_size).
 
 The model is random-initialised with Qwen3-1.7B's config (hidden 2048, 16 heads, 8 KV heads, intermediate 6144,
 vocabulary 151936, tied embeddings), saved as a local model folder (bf16 safetensors and the tokenizer) and loaded by
@@ -61,7 +63,7 @@ def build(args, folder):
 
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=args.layers, **QWEN3_1_7B))
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=args.layers, **args.shape))
     model.to(torch.bfloat16).save_pretrained(folder)
     tokenizer = args.tokenizer
     if tokenizer is None:
@@ -80,7 +82,7 @@ def samples(args, seed=0):
     g = torch.Generator().manual_seed(seed)
     half, out = args.seq // 2, []
     for i in range(args.samples):
-        ids = torch.randint(0, QWEN3_1_7B["vocab_size"], (args.seq,), generator=g).tolist()
+        ids = torch.randint(0, args.shape["vocab_size"], (args.seq,), generator=g).tolist()
         if i % args.group:  # the group's prompt
             ids[:half] = out[-1].input_ids[:half]
         mask = [0] * half + [1] * (args.seq - half)
@@ -132,7 +134,7 @@ def timed_steps(args, lora: int, checkpointing: bool, padded_path: bool) -> dict
     sync()
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.samples * args.seq
-    hidden = QWEN3_1_7B["hidden_size"]
+    hidden = args.shape["hidden_size"]
     per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * hidden * args.seq
     processed = m["train/processed_tokens"]
     return dict(
@@ -195,10 +197,12 @@ def main():
     cases = ["full", "lora", "full,no-gc", "lora,no-gc", "full,padded", "lora,padded", "logprobs"]
     p.add_argument("--cases", nargs="+", default=["full", "lora", "logprobs"], choices=cases)
     p.add_argument("--out", default="", help="also write the results here, as JSON")
+    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="overrides of Qwen3-1.7B's config")
     p.add_argument("--case", default="", help=argparse.SUPPRESS)  # the child process: one case
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
     p.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.shape = {**QWEN3_1_7B, **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.config)}}
     if args.case:  # one case, in its own process
         kind, _, variant = args.case.partition(",")
         lora = args.lora_rank if kind == "lora" else 0

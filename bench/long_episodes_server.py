@@ -1,7 +1,8 @@
 """One real training step of 128-turn tool episodes through the vLLM server (MTGRPO_LAYOUT=server: vLLM's CPU
 build where there is no GPU), as a user runs it: `bash run.sh` on the toy recipe with a long-episode model.
 
-    .venv/bin/python bench/long_episodes_server.py [--turns 128] [--steps 1]
+    .venv/bin/python bench/long_episodes_server.py [--turns 128] [--steps 1] [--out DIR] [key=value ...]
+    .venv/bin/python bench/long_episodes_server.py --model DIR --server-url URL   # a model a running server serves
 
 The toy model cannot hold 128 turns: its warm-start saw two-turn episodes of at most ~100 tokens, and a
 1,024-position context. So this script first builds a *looping* model with the toy's tokenizer and architecture
@@ -11,6 +12,8 @@ run of the toy recipe with max_env_steps = turns through `bash run.sh`: every tu
 server, every boundary goes through the env's extend-or-fork (and its bridge), and the step trains on what came
 back. Printed: the build, the step's times, and per episode its turns, tool calls, samples, tokens, forks,
 realigns and the episode-end tokenization check; the sampler/trainer logprob agreement; the gradient norm.
+--model runs another model folder instead of building the looping one; --server-url joins a server that runs already
+(serving that model) instead of starting one.
 """
 
 import argparse
@@ -75,12 +78,17 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--warm-steps", type=int, default=60)
     ap.add_argument("--out", default="bench/runs/long_episodes_server")
+    ap.add_argument("--model", default="", help="this model folder instead of the looping model built in --out")
+    ap.add_argument("--server-url", default="", help="a running server of that model (run.sh's --server-url)")
     ap.add_argument("overrides", nargs="*", help="more key=value overrides of the toy recipe")
-    a = ap.parse_args()
-    model = os.path.join(a.out, "model")
+    a = ap.parse_intermixed_args()  # key=value overrides before or after the options
+    model = a.model or os.path.join(a.out, "model")
     os.makedirs(a.out, exist_ok=True)
     if not os.path.isfile(os.path.join(model, "build_report.json")):
         build_looping_model(model, a.turns + 8, a.max_seq_len, a.warm_steps)
+    server = []
+    if a.server_url:
+        server = ["--server-url", a.server_url]
     out = os.path.join(a.out, "run")
     h, wall, start = run(
         "server",
@@ -88,6 +96,7 @@ def main():
         a.steps,
         out,
         [
+            *server,
             f"model_name_or_path={model}",
             "model_builder=",
             f"max_env_steps={a.turns}",

@@ -2,12 +2,16 @@
 (MTGRPO_LAYOUT=server: vLLM's CPU build where there is no GPU).
 
     .venv/bin/python bench/lora_vs_full.py hf_recipes/toy/toy-kv--mt-grpo.yaml --steps 60 --lora lora_rank=8 learning_rate=5e-3
+    .venv/bin/python bench/lora_vs_full.py RECIPE --server-url URL [--set key=value ...]   # both join a running server
 
-Two runs of the recipe through `bash run.sh`: full fine-tuning (the recipe as it is), then LoRA (the recipe with
-the `--lora` overrides; give LoRA its own learning rate, as is usual: its update is scaled by lora_alpha / rank).
+Two runs of the recipe through `bash run.sh`: LoRA (the recipe with the `--lora` overrides; give LoRA its own learning
+rate, as is usual: its update is scaled by lora_alpha / rank), then full fine-tuning (the recipe as it is). LoRA goes
+first: it syncs only its adapter, so it needs the server's base weights as built, which full fine-tuning changes.
 Prints, per run: the mean weight-sync time and the bytes each sync writes (the full model in bf16, or the
 adapter in float32, from the last checkpoint's tensors), the step times, and the learning curve (outcome reward:
 step 1, first and last 10-step means, the first step whose trailing 10-step mean reaches 0.8).
+With --server-url both runs join that server (started with LoRA enabled: `bash run.sh serve RECIPE lora_rank=R`)
+instead of starting their own; --set adds overrides to both runs.
 """
 
 import argparse
@@ -35,12 +39,18 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default="bench/runs/lora_vs_full")
     ap.add_argument("--lora", nargs="+", default=["lora_rank=8", "learning_rate=5e-3"])
+    ap.add_argument("--server-url", default="", help="a running server for both runs (run.sh's own --server-url)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of both runs")
     a = ap.parse_args()
+    server = []
+    if a.server_url:
+        server = ["--server-url", a.server_url]
     rows = {}
     os.makedirs(a.out, exist_ok=True)  # run.sh writes the server's log beside each run's folder
-    for name, extra in (("full", []), ("LoRA " + " ".join(a.lora), a.lora)):
+    for name, extra in (("LoRA " + " ".join(a.lora), a.lora), ("full", [])):
         out = os.path.join(a.out, name.split()[0].lower())
-        h, wall, start = run("server", a.recipe, a.steps, out, [*extra, f"save_steps={a.steps}", "eval_steps=0"])
+        overrides = [*server, *extra, f"save_steps={a.steps}", "eval_steps=0", *a.set]
+        h, wall, start = run("server", a.recipe, a.steps, out, overrides)
         rows[name] = (h, wall, synced_bytes(out))
     print(f"\n{a.recipe}, {a.steps} steps through the vLLM server, per-step means:\n")
     print("| run | weight sync (s) | bytes per sync | rollout (s) | train (s) | step (s) | wall (s) |")

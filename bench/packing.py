@@ -2,14 +2,14 @@
 sample), in one run, on the same samples and the same model: tokens processed per trained token, peak memory and
 train-step time (issue 36).
 
-    .venv/bin/python bench/packing.py [--repeats 3] [--cases toy tree prompt turns]
+    .venv/bin/python bench/packing.py [--repeats 3] [--cases toy tree prompt turns] [--out DIR] [--set key=value ...]
     .venv/bin/python bench/packing.py --cases --recipe RECIPE.yaml [key=value ...]   # one step of any recipe
 
 Cases:
 - toy: one step's samples of hf_recipes/toy/toy-kv--mt-grpo.yaml (8 prompts x 8 episodes), rolled out by the trainer's
   own in-process sampler from the warm-started toy model;
-- tree: one step of the chain bench's tree (hf_recipes/toy/toy-chain--mt-grpo.yaml with bench/turn_credit.py's
-  METHODS["tree"]: b 2, depth 3, 4 roots, 32 leaves), rolled out the same way;
+- tree: one step of the chain's tree (hf_recipes/toy/toy-chain--mt-grpo.yaml with bench/branching_server.py's
+  CHAIN_TREE: b 2, depth 3, 4 roots, 32 leaves, each lookup turn's own reward), rolled out the same way;
 - prompt: a group of G = 8 with a 1,000-token system prompt: the toy's first group, each sample led by the same
   1,000 tokens of the toy's own vocabulary (the toy model was not trained with a system prompt, so the rollout
   cannot make one);
@@ -27,6 +27,7 @@ step (bench/logprob_memory.py's peak_mb: from the profiler's allocation events; 
 a GPU). Both paths' loss/policy are printed: they must agree to float rounding. "distinct (trie)" counts the tokens
 the packed rows hold, each distinct prefix once: processed/trained can go no lower than distinct/trained, since
 prompt and tool-result tokens are read but never trained (and below 1 where episodes repeat each other exactly).
+The rollouts' runs go to --out (bench/runs/packing/); --set adds overrides to every case's recipe (after its own).
 """
 
 import argparse
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # bench/logprob_memory.py impor
 os.chdir(ROOT)  # recipes name their plug-ins from the project folder
 import mt_grpo_trainer as M  # noqa: E402
 from logprob_memory import peak_mb  # noqa: E402
-from turn_credit import METHODS  # noqa: E402
+from branching_server import CHAIN_TREE  # noqa: E402
 
 TOY = "hf_recipes/toy/toy-kv--mt-grpo.yaml"
 CHAIN = "hf_recipes/toy/toy-chain--mt-grpo.yaml"
@@ -77,10 +78,10 @@ def padded():
 # --- the cases ------------------------------------------------------------------------------------------------
 
 
-def rollout(recipe: str, name: str, overrides: list[str]):
+def rollout(recipe: str, name: str, overrides: list[str], a):
     """One step's trainable samples, rolled out by the trainer's own set-up and `collect`, and the run."""
-    out = os.path.join(ROOT, "bench", "runs", "packing", name)
-    args = [f"output_dir={out}", "resume_from_checkpoint=", "log_episodes_steps=0", "eval_steps=0", *overrides]
+    out = os.path.join(a.out, name)
+    args = [f"output_dir={out}", "resume_from_checkpoint=", "log_episodes_steps=0", "eval_steps=0", *overrides, *a.set]
     cfg = M.load_config(recipe, args)
     run = M.setup(cfg)
     episodes, _ = M.collect(run, 0)
@@ -157,16 +158,18 @@ def close(run):
         run.close([])
 
 
-def cases(which: list[str], recipe: list[str]):
+def cases(a):
     """(its name, run, samples, cfg) for each case asked for; the toy's run serves the prompt and turns cases."""
+    which = a.cases
+    recipe = a.recipe
     if recipe:
-        run, samples = rollout(recipe[0], "recipe", recipe[1:])
+        run, samples = rollout(recipe[0], "recipe", recipe[1:], a)
         print(f"[bench] recipe case: {' '.join(recipe)}")
         yield f"{os.path.basename(recipe[0])} with {len(recipe) - 1} overrides", run, samples, run.cfg
         close(run)
     if not which:
         return
-    toy_run, toy_samples = rollout(TOY, "toy", [])
+    toy_run, toy_samples = rollout(TOY, "toy", [], a)
     vocab = toy_run.model.config.vocab_size
     budget = dataclasses.replace(toy_run.cfg, max_tokens_per_microbatch=16384)
     if "toy" in which:
@@ -177,7 +180,7 @@ def cases(which: list[str], recipe: list[str]):
         yield NAMES["turns"], toy_run, long_episodes(vocab), budget
     close(toy_run)
     if "tree" in which:
-        tree_run, tree_samples = rollout(CHAIN, "tree", METHODS["tree"][1])
+        tree_run, tree_samples = rollout(CHAIN, "tree", CHAIN_TREE, a)
         yield NAMES["tree"], tree_run, tree_samples, tree_run.cfg
         close(tree_run)
 
@@ -187,11 +190,18 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", nargs="*", choices=list(NAMES), default=list(NAMES), help="none: only --recipe")
     ap.add_argument("--recipe", nargs="+", default=[], metavar="RECIPE [key=value]", help="one step of this recipe")
+    ap.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "runs", "packing"),
+        help="the rollouts' runs (relative: to the project folder)",
+    )
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every case's recipe")
     args = ap.parse_args()
+    args.out = os.path.abspath(args.out)
     torch.manual_seed(0)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores (shared)"
     results = {}
-    for case, run, samples, cfg in cases(args.cases, args.recipe):
+    for case, run, samples, cfg in cases(args):
         print(f"[bench] {case}: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens")
         results[case] = measure(run, samples, cfg, args.repeats)
     print(f"\n{device}; median of {args.repeats} train steps each, alternating\n")

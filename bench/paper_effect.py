@@ -19,7 +19,8 @@ had been seen, and they inform the prediction):
   MT-GRPO > GRPO-MR is not (the merged scalar already ranks a right call above a guess; they were close on 0-4).
 - Also printed: the paper's columns (tool execution, answer in search results, format, exact match; sampled, at
   the last step), the first-turn tool-call rate, and "steps to" the --target training exact match.
-The comparison lines come last; per-seed figures go to RUNS_DIR/results.json, runs to bench/runs/paper-effect/.
+The comparison lines come last; per-seed figures go to RUNS_DIR/results.json, runs to bench/runs/paper-effect/ (--out
+for another folder; --set adds overrides to every run, after the mode's).
 """
 
 import argparse
@@ -59,7 +60,13 @@ def parse_args(argv=None):
     ap.add_argument("--target", type=float, default=0.5, help="exact-match threshold for 'steps to'")
     ap.add_argument("--eval-every", type=int, default=10, help="evaluate at step 0 and every N steps")
     ap.add_argument("--jobs", type=int, default=2, help="trainers at once, one thread each")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--out", default=os.path.join(ROOT, "bench", "runs", "paper-effect"), help="the runs and results.json"
+    )
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run (last)")
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    return args
 
 
 def mean(xs):
@@ -148,9 +155,9 @@ def primary_table(fig: dict, seeds: list[int]) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    runs_dir = os.path.join(ROOT, "bench", "runs", "paper-effect", f"{args.max_steps}-steps-sampled-eval")
+    runs_dir = os.path.join(args.out, f"{args.max_steps}-steps-sampled-eval")
     common = [f"max_steps={args.max_steps}", f"eval_steps={args.eval_every}", "save_steps=0", *EVAL]
-    runs = {(m, s): [f"seed={s}", f"advantage_mode={m}", *common] for s in args.seeds for m in MODES}
+    runs = {(m, s): [f"seed={s}", f"advantage_mode={m}", *common, *args.set] for s in args.seeds for m in MODES}
     t0 = time.time()
     walls = train_all(RECIPE, runs, runs_dir, args.jobs)
     print(f"[bench] {len(runs)} runs, {args.jobs} at once: {time.time() - t0:.0f} s wall this invocation", flush=True)

@@ -3,6 +3,7 @@ real vLLM server beside torchrun (MTGRPO_LAYOUT=server; vLLM's CPU build where t
 
     .venv/bin/python bench/server_vs_local.py hf_recipes/HuggingFaceTB/SmolLM2-135M-Instruct--triviaqa-cpu.yaml --steps 2
     .venv/bin/python bench/server_vs_local.py hf_recipes/toy/toy-kv--mt-grpo.yaml --steps 100
+    .venv/bin/python bench/server_vs_local.py RECIPE --server-url URL [key=value ...]   # the server layout joins URL
 
 Prints the mean per-step times of each layout, the server's start-up, the learning curve (outcome reward:
 step 1, first and last 10-step means, the first step whose trailing 10-step mean reaches 0.8) and the
@@ -139,15 +140,19 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="with --seeds: runs at once")
     ap.add_argument("--threads", type=int, default=1, help="with --seeds: OMP_NUM_THREADS of each run")
     ap.add_argument("--floor", type=float, default=0.8, help="with --seeds: the last-10 outcome every seed must reach")
+    ap.add_argument("--server-url", default="", help="the server layout joins this running server (run.sh's own)")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # key=value overrides before or after the options
     if a.seeds:
         if len(a.layouts) != 1:
             sys.exit("--seeds runs one layout: add --layouts local (or server)")
         return seed_table(a)
     rows = {}
     for layout in a.layouts:
-        rows[layout] = run(layout, a.recipe, a.steps, os.path.join(a.out, layout), a.overrides)
+        extra = a.overrides
+        if layout == "server" and a.server_url:
+            extra = ["--server-url", a.server_url, *extra]
+        rows[layout] = run(layout, a.recipe, a.steps, os.path.join(a.out, layout), extra)
     keys = ["time/rollout", "time/train", "time/weight_sync", "time/step"]
     print(f"\n{a.recipe}, {a.steps} steps, per-step means (s):\n")
     print("| layout | " + " | ".join(k.split("/")[1] for k in keys) + " | server start (s) | wall (s) |")

@@ -2,11 +2,12 @@
 with and without session affinity.
 
     .venv/bin/python bench/several_servers.py                     # all three parts
-    .venv/bin/python bench/several_servers.py --part standin --latency 2 --capacity 32
+    .venv/bin/python bench/several_servers.py --part standin --latency 2 --capacity 32 [--servers 1 2 4] [--prompts 32]
     .venv/bin/python bench/several_servers.py --part real --rollouts 5
 
-- standin: 256 episodes (32 prompts x 8) of 3 turns (tool call, tool call, answer) through the real MultiTurnToolEnv
-  and VLLMServerClient, against 1, 2 and 4 stand-in servers (tests/vllm_standin.py, each in a process of its own).
+- standin: 256 episodes (32 prompts x 8, `--prompts`) of 3 turns (tool call, tool call, answer) through the real
+  MultiTurnToolEnv and VLLMServerClient, against 1, 2 and 4 stand-in servers (`--servers`; tests/vllm_standin.py, each
+  in a process of its own).
   Each answers a request after `--latency` s with a scripted completion and runs at most `--capacity` sequences at
   once (vLLM's max_num_seqs), so a turn of 256 sequences takes 256 / (capacity x servers) rounds: latency-bound.
 - real: the warm-started toy model on vLLM's CPU build, started by `bash run.sh serve` (one server, then two with
@@ -54,10 +55,10 @@ def serve(port: int, latency: float, capacity: int):
 
 
 def standin(a):
-    tok, prompts, out = toy_tokenizer(), 32, {}
-    rows = [{"prompt": f'What is the value of "k{i}"?', "key": "alpha", "answer": "x"} for i in range(prompts)]
+    tok, out = toy_tokenizer(), {}
+    rows = [{"prompt": f'What is the value of "k{i}"?', "key": "alpha", "answer": "x"} for i in range(a.prompts)]
     rows = [r for r in rows for _ in range(8)]
-    for n in (1, 2, 4):
+    for n in a.servers:
         ports = [M.free_port() for _ in range(n)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
@@ -79,9 +80,9 @@ def standin(a):
         f"\nstand-ins: {len(rows)} episodes x 3 turns, {a.latency:g} s a request, {a.capacity} sequences at a time "
         f"per server, {os.cpu_count()} CPU cores\n"
     )
-    print("| servers | rollout (s) | ideal (s) | speed-up over 1 |\n|---|---|---|---|")
+    print(f"| servers | rollout (s) | ideal (s) | speed-up over {a.servers[0]} |\n|---|---|---|---|")
     for n, took in out.items():
-        print(f"| {n} | {took:.1f} | {ideal / n:.1f} | {out[1] / took:.2f}x |")
+        print(f"| {n} | {took:.1f} | {ideal / n:.1f} | {out[a.servers[0]] / took:.2f}x |")
     return out
 
 
@@ -166,6 +167,8 @@ def main():
     ap.add_argument("--latency", type=float, default=2.0)
     ap.add_argument("--capacity", type=int, default=32)
     ap.add_argument("--rollouts", type=int, default=5)
+    ap.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4], help="standin: how many stand-ins, each")
+    ap.add_argument("--prompts", type=int, default=32, help="standin: prompts of 8 episodes a rollout")
     ap.add_argument("--serve-port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve_port:

@@ -6,6 +6,7 @@ runs from several times the bf16 gap down to a small fraction of it.
     .venv/bin/python bench/sync_check.py                                  # lr 1e-4 1e-5 1e-6, 8 steps each
     .venv/bin/python bench/sync_check.py --lrs 1e-5 --steps 20 --staleness 1
     .venv/bin/python bench/sync_check.py --lora 8 --lrs 1e-3 1e-4 1e-5     # LoRA: each sync loads an adapter
+    .venv/bin/python bench/sync_check.py --server-url URL --model DIR        # a server that runs already, serving DIR
 
 One `bash run.sh serve`; each run trains in this process with rewards 0, 1, 0, 1 in every group (so every step moves
 the weights). Per learning rate and max_staleness, one run per kind of reload:
@@ -22,6 +23,7 @@ the step, the span, the slope and its standard error.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -137,6 +139,22 @@ def row(lr, k, kind, hist, said):
     )
 
 
+@contextlib.contextmanager
+def server(a, model):
+    """The server's URL for the block: --server-url's, or that of one `bash run.sh serve` started for the block."""
+    if a.server_url:
+        yield a.server_url
+        return
+    port = M.free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}"]  # run.sh finds the vLLM CPU build's venv
+    t = time.time()
+    serve = [*env, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}", f"lora_rank={a.lora}"]
+    with served([*serve, f"max_staleness={max(a.staleness)}"], url, 1200):  # LoRA: room for the adapters in flight
+        print(f"vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
+        yield url
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 1e-5, 1e-6])
@@ -145,21 +163,20 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--lora", type=int, default=0, help="lora_rank (0: full fine-tuning)")
     ap.add_argument("--out", default="bench/runs/sync_check")
+    ap.add_argument("--model", default="", help="the model folder (default: the toy recipe's, built if missing)")
+    ap.add_argument("--server-url", default="", help="a vLLM server that runs already, serving --model (LoRA: enabled)")
     a = ap.parse_args()
     a.out = os.path.abspath(a.out)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "alternating.py"), "w") as f:
         f.write("def alternating(completions, **_):\n    return [float(i % 2) for i in range(len(completions))]\n")
-    cfg = M.load_config(RECIPE, [f"output_dir={a.out}/build"])
-    M.build_model_if_missing(cfg, print)
-    model = os.path.abspath(cfg.model_name_or_path)
-    port = M.free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = ["env", "MTGRPO_LAYOUT=server", f"MTGRPO_VLLM_PORT={port}"]  # run.sh finds the vLLM CPU build's venv
-    rows, t = [], time.time()
-    serve = [*env, "bash", "run.sh", "serve", RECIPE, f"model_name_or_path={model}", f"lora_rank={a.lora}"]
-    with served([*serve, f"max_staleness={max(a.staleness)}"], url, 1200):  # LoRA: room for the adapters in flight
-        print(f"vLLM CPU build healthy after {time.time() - t:.0f} s", flush=True)
+    model = os.path.abspath(a.model)
+    if not a.model:
+        cfg = M.load_config(RECIPE, [f"output_dir={a.out}/build"])
+        M.build_model_if_missing(cfg, print)
+        model = os.path.abspath(cfg.model_name_or_path)
+    rows = []
+    with server(a, model) as url:
         for lr in a.lrs:
             for k in a.staleness:
                 for kind in a.kinds:

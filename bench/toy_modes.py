@@ -1,11 +1,11 @@
 """MT-GRPO vs GRPO-OR vs GRPO-MR on the embedded toy task, same seeds, same warm-started model.
 
-    .venv/bin/python bench/toy_modes.py [--seeds 0 1 2] [--max-steps 100] [--target 0.8]
+    .venv/bin/python bench/toy_modes.py [--seeds 0 1 2] [--max-steps 100] [--target 0.8] [--out DIR] [--set key=value ...]
 
 For each (mode, seed) it trains the default recipe with `advantage_mode` set and reports the first
 step at which the outcome reward, averaged over the trailing 10 steps, reaches the target ("not
 reached" within the step budget otherwise). Steps, not seconds, so the table does not depend on the
-machine. Runs go to bench/runs/; a finished run is reused.
+machine. Runs go to --out (bench/runs/); a finished run is reused. --set adds overrides to every run.
 """
 
 import argparse
@@ -67,11 +67,12 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--max-steps", type=int, default=100)
     ap.add_argument("--target", type=float, default=0.8)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "runs"))
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run")
     args = ap.parse_args()
     results = {}
-    for (mode, seed), metrics in train_modes(
-        RECIPE, args.seeds, args.max_steps, os.path.join(ROOT, "bench", "runs")
-    ).items():
+    runs = train_modes(RECIPE, args.seeds, args.max_steps, os.path.abspath(args.out), args.set)
+    for (mode, seed), metrics in runs.items():
         last = sum(m["reward/outcome"] for m in metrics[-10:]) / 10
         results[(mode, seed)] = (steps_to(metrics, args.target), metrics[0]["reward/outcome"], last)
     print(

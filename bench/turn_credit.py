@@ -46,7 +46,8 @@ Amended before any result of the comparison was read (2026-11-27): the per-turn 
 that default. The 8 runs made under the earlier default (divided by the group's return std) were discarded unread.
 
 Output: tables, then the three comparison lines last (`per-turn > MT-GRPO: 7 of 8 seeds, p = 0.008 (Holm), CI [0.04,
-0.19]`); per-seed figures in RUNS_DIR/results.json, runs in bench/runs/turn-credit/H-hops-N-steps/.
+0.19]`); per-seed figures in RUNS_DIR/results.json, runs in bench/runs/turn-credit/H-hops-N-steps/ (--out for
+another folder than bench/runs/turn-credit/; --set adds overrides to every run, after the method's).
 """
 
 import argparse
@@ -94,7 +95,13 @@ def parse_args(argv=None):
     ap.add_argument("--hops", type=int, choices=sorted(VARIANTS), default=3, help="the task variant")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--jobs", type=int, default=2, help="trainers at once, one thread each")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--out", default=os.path.join(ROOT, "bench", "runs", "turn-credit"), help="the runs and results.json"
+    )
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run (last)")
+    args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+    return args
 
 
 def hop_reach(run_dir: str, step: int, hops_n: int, eval_rows: list[dict]) -> list[float]:
@@ -161,9 +168,9 @@ def tables(fig: dict, seeds: list[int], methods: list[str]) -> str:
 def main(argv=None):
     args = parse_args(argv)
     methods = args.methods
-    runs_dir = os.path.join(ROOT, "bench", "runs", "turn-credit", f"{args.hops}-hops-{args.max_steps}-steps")
+    runs_dir = os.path.join(args.out, f"{args.hops}-hops-{args.max_steps}-steps")
     common = [f"max_steps={args.max_steps}", f"eval_steps={args.eval_every}", *VARIANTS[args.hops]]
-    runs = {(m, s): [f"seed={s}", *common, *METHODS[m][1]] for s in args.seeds for m in methods}
+    runs = {(m, s): [f"seed={s}", *common, *METHODS[m][1], *args.set] for s in args.seeds for m in methods}
     t0 = time.time()
     walls = train_all(RECIPE, runs, runs_dir, args.jobs)
     print(f"[bench] {len(runs)} runs, {args.jobs} at once: {time.time() - t0:.0f} s wall this invocation", flush=True)

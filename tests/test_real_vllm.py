@@ -33,6 +33,7 @@ from conftest import (
     server_layout_env,
     start_real_server,
     stop_real_server,
+    until,
     vllm_api_process,
 )
 from tasks import toy_kv
@@ -297,103 +298,122 @@ def metric(url, name):
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def wait_until_generating(url, worker):
-    """Start worker and return once the engine has sampled tokens for it. The generated-token counter only
-    grows; the running-requests gauge is not (an idle engine keeps the last step's value, often >= 1)."""
+def endless(client):
+    """Every completion the client asks for runs to its max_tokens, whatever the weights sample: EOS and the stop
+    tokens do not end it (vLLM's ignore_eos). A generation's length is then known before it starts."""
+    real = client.request
+
+    def request(method, path, deadline=None, **kw):
+        if path == "/v1/completions":
+            kw["json"] = {**kw["json"], "ignore_eos": True, "stop_token_ids": []}
+        return real(method, path, deadline, **kw)
+
+    client.request = request
+
+
+def generating(url, worker, total: int):
+    """Start worker, whose requests generate `total` tokens in all, and return once the server generates them: its
+    generated-token counter has grown (its running-requests gauge cannot say: an idle engine keeps the last step's
+    value). Returns how many of the `total` tokens are still to come, read from the counter when called."""
     before = metric(url, "vllm:generation_tokens_total")
     worker.start()
-    deadline = time.monotonic() + 120  # a loaded machine may take a while to get the requests to the engine
-    while metric(url, "vllm:generation_tokens_total") <= before and worker.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until(lambda: metric(url, "vllm:generation_tokens_total") > before, "the server generating the requests")
+    return lambda: total - (metric(url, "vllm:generation_tokens_total") - before)
+
+
+def at_pause(client, to_come) -> list:
+    """A list that gets, at each /pause the client sends, to_come() read as soon as the server is paused (when nothing
+    generates)."""
+    seen, real = [], client.request
+
+    def request(method, path, deadline=None, **kw):
+        out = real(method, path, deadline, **kw)
+        if path == "/pause":
+            seen.append(to_come())
+        return out
+
+    client.request = request
+    return seen
 
 
 def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, toy, tmp_path):
+    """The pause lands inside the generation by construction: every request runs to the end of the server's context
+    (ignore_eos), hundreds of decoding steps of 64 sequences, and the pause is sent once tokens are coming."""
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
     prompts = [p + [i % 50 + 20] for i, p in enumerate(toy_prompts(env, 64, seed=7))]  # distinct: one request each
-    torch.manual_seed(1)  # fresh random weights rarely sample EOS: long generations, which a pause lands inside
-    serve(client, type(model)(model.config), 1)  # (the warm-started model's ~1 s of answers can end before it)
-    try:
-        for attempt in range(6):  # a pause must land while requests run; a fast machine may need another try
-            calls, out = recording(client), {}
-            worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [256] * 64, 1.0)))
-            wait_until_generating(real_vllm.url, worker)
-            with client.weight_update(list(client.servers), 10 + attempt):  # pause (abort) ... resume, as a sync does
-                time.sleep(0.3)
-            worker.join(timeout=300)
-            aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
-            if aborted:
-                break
-    finally:
-        serve(client, model, 20)  # the warm-started weights again, for the tests after this one
-    assert aborted, "no request was in flight during any of 6 pauses"
-    assert len(out["c"]) == 64
-    for c in out["c"]:  # every completion handed back is whole: sent again after the resume
-        assert c.finish_reason in ("stop", "length") and len(c.ids) == len(c.logprobs) >= 1
-
-
-def keep_pause_round(client, prompts, old, new, version):
-    """Serve `old` as `version`; while the prompts generate, sync `new` as version + 1 (max_staleness >= 1: a keep
-    pause). Checks what must hold whenever the pause lands; returns, per completion, per token whose two models'
-    logprobs differ well beyond bf16 error (~0.2): is the server's logprob the new weights' (else the old ones')?"""
-    serve(client, old, version)
+    budgets = [client.max_model_len - len(p) for p in prompts]  # what generate clamps max_tokens to
+    endless(client)
     calls, out = recording(client), {}
-    worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, [300] * len(prompts), 1.0)))
-    wait_until_generating(client.servers[0].url, worker)
-    serve(client, new, version + 1)
+    asked = [client.max_model_len] * len(prompts)
+    worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, asked, 1.0)))
+    to_come = generating(real_vllm.url, worker, sum(budgets))
+    with client.weight_update(list(client.servers), 10):  # pause (abort) ... resume, as a sync does
+        left = to_come()  # read while paused: nothing generates
     worker.join(timeout=300)
-    assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
-    sent = [c for c in calls if c["path"] == "/v1/completions"]
-    assert len(sent) == len({tuple(p) for p in prompts}) and not [
-        c for c in choices(calls) if c["finish_reason"] == "abort"
-    ], "a keep pause aborts nothing and nothing is sent again"
-    assert all(
-        c.finish_reason in ("stop", "length")
-        and c.version in (version, version + 1)
-        and len(c.ids) == len(c.logprobs) >= 1
-        for c in out["c"]
-    )  # version + 1: on a loaded machine, a request first sent after the sync
-    by_new = []
-    for p, c in zip(prompts, out["c"]):
-        lp, lp_old, lp_new = (
-            torch.tensor(c.logprobs),
-            trainer_logprobs(old, p, c.ids, 1.0),
-            trainer_logprobs(new, p, c.ids, 1.0),
-        )
-        assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, "each token is one model's"
-        clear = (lp_old - lp_new).abs() > 1.0
-        by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
-    assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
-    assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == version + 1), "a new request is all new"
-    return by_new
+    assert left > 0, "every token was generated before the pause: it came after the requests, not inside them"
+    aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
+    assert aborted, f"the server was paused with {left} tokens to come, and no request came back aborted"
+    assert len(out["c"]) == len(prompts)
+    for c, budget in zip(out["c"], budgets):  # every completion handed back is whole: sent again after the resume
+        assert c.finish_reason == "length" and len(c.ids) == len(c.logprobs) == budget
 
 
 def test_partial_rollouts_requests_frozen_by_a_keep_pause_finish_after_a_real_reload(real_vllm, toy, tmp_path):
     """max_staleness >= 1: a sync pauses with mode=keep; the requests in flight are neither aborted nor sent again,
-    they finish after vLLM reloads the weights, and each token's logprob is that of the weights that sampled it."""
+    they finish after vLLM reloads the weights, and each token's logprob is that of the weights that sampled it. The
+    sync lands inside the generation by construction: every request runs to the end of the server's context
+    (ignore_eos), hundreds of decoding steps of 128 sequences, and the sync starts once tokens are coming."""
     import copy
 
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok, "max_staleness=1")
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    # 192 distinct prompts of up to 300 tokens: a generation long enough to still be running when the sync
-    # (weights written, then the pause) lands, even on a quiet machine where vLLM decodes this model fast
-    prompts = [p + [i % 50 + 20, i // 50 + 20] for i, p in enumerate(toy_prompts(env, 192, seed=11))]
+    prompts = [p + [i % 50 + 20, i // 50 + 20] for i, p in enumerate(toy_prompts(env, 128, seed=11))]  # distinct
     torch.manual_seed(2)
-    old = type(model)(model.config)  # near-uniform: long generations, each token's logprob about -log(vocab)
+    old = type(model)(model.config)  # near-uniform: each token's logprob about -log(vocab)
     new = copy.deepcopy(old)
     with torch.no_grad():  # only the final norm differs: a frozen request's KV cache is the same under both,
         new.model.norm.weight.mul_(30)  # and the new weights' next-token distributions are peaked
+    endless(client)
     try:
-        for attempt in range(3):  # the pause must land inside a generation; a loaded machine may need another try
-            by_new = keep_pause_round(client, prompts, old, new, 2 * attempt + 1)
-            frozen = any(flags and flags[0] < flags[-1] for flags in by_new)  # old tokens, then new ones
-            if frozen:
-                break
-        assert frozen, "no request was frozen mid-generation in 3 syncs"
+        serve(client, old, 1)
+        calls, out = recording(client), {}
+        asked = [client.max_model_len] * len(prompts)
+        worker = threading.Thread(target=lambda: out.setdefault("c", client.generate(prompts, asked, 1.0)))
+        to_come = generating(client.servers[0].url, worker, sum(client.max_model_len - len(p) for p in prompts))
+        left = at_pause(client, to_come)
+        serve(client, new, 2)  # weights written, then the keep pause, the reload and the resume
+        worker.join(timeout=300)
+        assert left[0] > 0, "every token was generated before the sync: it came after the requests, not inside them"
+        assert [c["query"] for c in calls if c["path"] == "/pause"] == [{"mode": "keep", "clear_cache": "false"}]
+        sent = [c for c in calls if c["path"] == "/v1/completions"]
+        assert len(sent) == len(prompts) and not [c for c in choices(calls) if c["finish_reason"] == "abort"], (
+            "a keep pause aborts nothing and nothing is sent again"
+        )
+        for p, c in zip(prompts, out["c"]):  # whole: frozen, then finished, never cut short
+            assert c.finish_reason == "length" and len(c.ids) == len(c.logprobs) == client.max_model_len - len(p)
+        assert all(c.version in (1, 2) for c in out["c"])  # 2: on a loaded machine, a request first sent after the sync
+        by_new = []
+        seqs = torch.tensor([p + c.ids for p, c in zip(prompts, out["c"])])  # each max_model_len long: one batch
+        with torch.no_grad():
+            batch_old, batch_new = (torch.log_softmax(m(input_ids=seqs).logits.float(), -1) for m in (old, new))
+        for i, (p, c) in enumerate(zip(prompts, out["c"])):
+            at = torch.arange(len(p) - 1, seqs.shape[1] - 1)  # each sampled token's position, scored a step before
+            lp = torch.tensor(c.logprobs)
+            lp_old = batch_old[i, at, seqs[i, at + 1]]
+            lp_new = batch_new[i, at, seqs[i, at + 1]]
+            assert torch.minimum((lp - lp_old).abs(), (lp - lp_new).abs()).max() < 0.5, "each token is one model's"
+            clear = (lp_old - lp_new).abs() > 1.0
+            by_new.append(((lp - lp_new).abs() < (lp - lp_old).abs())[clear].tolist())
+        assert all(flags == sorted(flags) for flags in by_new), "old weights' tokens, then the new weights', never back"
+        assert all(all(flags) for c, flags in zip(out["c"], by_new) if c.version == 2), "a new request is all new"
+        assert any(flags and flags[0] < flags[-1] for flags in by_new), (
+            f"the server paused with {left[0]} tokens to come, and no request has the old weights' tokens, then the new"
+        )
         [c] = client.generate([prompts[0]], [4], 1.0)
-        assert c.version == 2 * attempt + 2
+        assert c.version == 2
     finally:
         serve(client, model, 10)  # the warm-started weights again, for the tests after this one
 
