@@ -564,11 +564,11 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_pr
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "run.sh").write_text(f"setsid sleep 600 &\necho $$ $! > {tmp_path / 'train'}\nwait\n")
     bench = (
-        f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
+        f"import sys, time, types\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
         f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
         "    print('healthy', flush=True)\n"
         f"    B.ROOT = {str(tmp_path / 'root')!r}\n"
-        f"    B.train({str(tmp_path / 'run')!r}, server='http://127.0.0.1:{port}')\n"
+        f"    B.train(types.SimpleNamespace(set=[]), {str(tmp_path / 'run')!r}, server='http://127.0.0.1:{port}')\n"
     )
     p = subprocess.Popen(
         [sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
