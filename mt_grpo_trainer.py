@@ -47,8 +47,9 @@ or `python mt_grpo_trainer.py [eval] RECIPE.yaml [key=value ...]`; `--help` docu
 
 Left out on purpose (and why):
 - value networks and GAE: GRPO's group baseline is the point of the method;
-- a padded path: training packs samples into rows, each a prefix trie (a group's prompt and a branch's context are
-  computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still reads one row per sample;
+- padding where packing is checked exact: training packs samples into rows, each a prefix trie (a group's prompt and
+  a branch's context are computed once; `pack_rows`), and gathers each sample's logprobs back, so the loss still
+  reads one row per sample; a family not checked exact packed trains in padded rows, one sample a row (`layout`);
 - Ray: one process per GPU. By default rollout and update take turns, so `breakpoint()` works and the policy is
   exactly on-policy; max_staleness >= 1 overlaps them with one producer thread per rank (see RolloutProducer);
 - `model.generate` in the local sampler: its logits processors run before the temperature and top-p warpers, so
@@ -66,6 +67,7 @@ import dataclasses
 import datetime
 import difflib
 import functools
+import glob
 import fcntl
 import hashlib
 import importlib.util
@@ -1200,9 +1202,9 @@ def token_logprobs(model, ids, attn, temperature: float):
 
 
 def packed_logprobs(model, mb: dict, temperature: float):
-    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's packed
-    rows (see `pack_rows`): a trained token takes the logits at the trie node of the token before it, which samples
-    sharing that prefix share, and its own sample's next token as the target."""
+    """Per-sample token logprobs [B, T] (0 where a sample trains nothing) from one forward over a micro-batch's rows
+    (packed, see `pack_rows`, or padded): a trained token takes the logits at the trie node of the token before it,
+    which samples sharing that prefix share, and its own sample's next token as the target."""
     out = model(input_ids=mb["ids"], attention_mask=mb["attn"], position_ids=mb["pos"])
     logits = out.logits.flatten(0, 1)
     lp = chunk_logprobs(logits[mb["src"]], mb["tgt"], temperature)
@@ -1395,10 +1397,11 @@ def evaluate(run, step: int, record: bool = False) -> dict:
         return {}
     m = {}
     files = []
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
     for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
         if not recs:
             continue
-        files.append(os.path.join(cfg.output_dir, "eval", name))  # setup made eval/ (prepare_output_dir)
+        files.append(os.path.join(cfg.output_dir, "eval", name))
         with open(files[-1], "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
         for fn in run.turn_fns + run.outcome_fns:
@@ -1456,7 +1459,11 @@ def main(argv=None):
     if argv is None:
         argv = sys.argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
-        return print_help()
+        try:
+            return print_help()
+        except BrokenPipeError:  # `--help | head` stopped reading: it has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises it again
+            return None
     if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
         tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
         sys.exit(tool(argv[1:]))
@@ -1779,6 +1786,12 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     torch.manual_seed(cfg.seed + run.rank)
     load_plugins(run, eval_only)
     ckpt = find_checkpoint(cfg, run.say)
+    if eval_only and not ckpt and cfg.resume_from_checkpoint == "auto":  # asked for a trained model: never the base
+        raise ConfigError(
+            f"eval with resume_from_checkpoint=auto: '{cfg.output_dir}' holds no checkpoint, so it would evaluate the "
+            f"untrained {cfg.model_name_or_path}. Set output_dir to the trained run's folder, or drop "
+            "resume_from_checkpoint to evaluate the untrained model"
+        )
     if run.is_main:
         try:
             run.lock = None if eval_only else hold_output_dir(cfg, run.say)
@@ -1792,7 +1805,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     if dist.is_initialized():
         dist.barrier()  # the model folder exists for every rank
     run.src = ckpt or cfg.model_name_or_path
-    models = load_models(cfg, run.src, run.device)
+    models = load_models(cfg, run.src, run.device, run.say)
     run.tokenizer, run.model, run.ref_model, run.policy, run.optimizer, run.scheduler = models
     if ckpt:
         run.start = restore(cfg, ckpt, run.model, run.optimizer, run.scheduler, run.world, run.is_main)
@@ -1809,11 +1822,6 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
     )  # a new sampler: a line here
     prompt_ids = run.env.chat.enc(run.env.chat.render(run.env.new_episode(run.rows[0]).messages, {}))
     run.probe_ids = prompt_ids  # the sync check's fixed sequence starts with the first prompt (see Run.sync)
-    if run.sampler.policy_version is not None and not cfg.sync_check:
-        run.say(
-            "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
-            "nothing would go on training off-policy without a word"
-        )
     run.sync(run.start)  # a server may hold other weights (another run's, or not this checkpoint's)
     if eval_only:  # no training: no logprobs to check
         return run
@@ -1944,8 +1952,11 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
             f"[mt-grpo] {cfg.output_dir} held an earlier run: moved it to {old} "
             "(resume_from_checkpoint=auto continues a run instead)"
         )
-    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-    with open(os.path.join(cfg.output_dir, "eval" if eval_only else "", "config.yaml"), "w") as f:
+    folder = cfg.output_dir
+    if eval_only:  # the eval command's config, beside its results; a run makes eval/ when it evaluates
+        folder = os.path.join(cfg.output_dir, "eval")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)  # safe_dump quotes 'off', so it reloads as a string
     return old
 
@@ -1992,17 +2003,21 @@ def build_model(cfg: Config, say):
         )
 
 
-def load_models(cfg: Config, src: str, device: torch.device):
+def load_models(cfg: Config, src: str, device: torch.device, say=print):
     """Tokenizer, float32 policy (with LoRA: the base model and its adapters, from `src` when it is a checkpoint),
-    frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    frozen reference (beta > 0), DDP/FSDP2-wrapped policy, AdamW over what trains, and its LR schedule. A line says
+    whether training packs its samples or pads them (`layout`), and why."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar per load, no "Writing model shards" per save
     tokenizer = pretrained(AutoTokenizer, src)
-    kw = {"dtype": torch.float32, "attn_implementation": packed_attention(device)}
+    kw = {"dtype": torch.float32}
+    packed, why = layout(pretrained(AutoConfig, cfg.model_name_or_path))
+    say(f"[mt-grpo] {why}")
+    if packed:
+        kw["attn_implementation"] = packed_attention(device)
     base = pretrained(AutoModelForCausalLM, cfg.model_name_or_path if cfg.lora_rank else src, **kw)
-    check_packable(base.config, cfg.model_name_or_path)
     model = add_lora(base, cfg, src).to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # DDP/FSDP-safe
@@ -2020,27 +2035,18 @@ def load_models(cfg: Config, src: str, device: torch.device):
 
 
 def packed_attention(device: torch.device) -> str:
-    """The attention that packed rows need: FlexAttention on a GPU, elsewhere `trie_attention` (registered here),
-    which is SDPA for every call but the packed train step's."""
-    if device.type in FLEX_DEVICES:
-        return "flex_attention"
+    """The attention that packed rows need, registered here: on a GPU `trie_flex_attention` (FlexAttention with the
+    trie's block masks), elsewhere `trie_attention`, which is SDPA for every call but the packed train step's."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask
 
+    if device.type in FLEX_DEVICES:
+        AttentionInterface.register("mtgrpo_flex", trie_flex_attention)
+        AttentionMaskInterface.register("mtgrpo_flex", flex_attention_mask)
+        return "mtgrpo_flex"
     AttentionInterface.register("mtgrpo_trie", trie_attention)
     AttentionMaskInterface.register("mtgrpo_trie", sdpa_mask)
     return "mtgrpo_trie"
-
-
-def check_packable(config, path: str):
-    """Training packs samples into rows with a custom 4D mask and position ids (`pack_rows`), which only some
-    decoders take as given: one with a sliding window would drop its window, another its own mask."""
-    if config.model_type not in PACKED_MODEL_TYPES or getattr(config, "use_sliding_window", False):
-        window = " with a sliding window" if getattr(config, "use_sliding_window", False) else ""
-        raise ConfigError(
-            f"model_name_or_path '{path}' is a {config.model_type} model{window}, which packed training does not "
-            f"support; use a model of type {', '.join(PACKED_MODEL_TYPES)} (no sliding window)"
-        )
 
 
 def pretrained(cls, path: str, **kw):
@@ -2069,11 +2075,22 @@ def add_lora(model, cfg: Config, src: str):
 
     if os.path.isfile(os.path.join(src, "adapter_config.json")):
         return PeftModel.from_pretrained(model, src, is_trainable=True)
-    targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    targets = lora_targets(model, cfg)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         return get_peft_model(model, lora)
+
+
+def lora_targets(model, cfg: Config) -> list[str]:
+    """lora_target_modules, with all-linear resolved to the names of the model's linear layers but the output head.
+    An MoE's router and fused experts are not linear layers, so its adapters sit on attention (and any dense MLP) in
+    every family, on purpose: peft's own all-linear adapts some families' routers and experts and not others'."""
+    if cfg.lora_target_modules != ["all-linear"]:
+        return cfg.lora_target_modules
+    head = model.get_output_embeddings()
+    linear = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head]
+    return sorted({name.rsplit(".", 1)[-1] for name in linear})
 
 
 # === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
@@ -2451,6 +2468,11 @@ class VLLMServerClient:
         say(f"[mt-grpo] sampling from {self.url} ({self.model}, max_model_len {self.max_model_len})")
         if self.max_model_len < cfg.max_seq_len:
             say(f"[mt-grpo] the server's max_model_len is below max_seq_len {cfg.max_seq_len}: it bounds episodes")
+        if not cfg.sync_check:
+            say(
+                "[mt-grpo] sync_check: false: no weight sync is checked, so a reload that failed, took in part or did "
+                "nothing would go on training off-policy without a word"
+            )
 
     # A loop, not tenacity: measured, its Retrying with the same hooks (a signal, the health check, the deadline's
     # message) as closures took 32 more code tokens and one more dependency, and kept the same behaviour.
@@ -2964,7 +2986,12 @@ def full_state(model, optimizer=None, fsdp: bool = False):
     return sd, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else None
 
 
-PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # decoders that take a custom 4D mask and position ids as given
+# the families whose packed rows tests/test_models.py checks exact; any other model trains in padded rows
+PACKED_MODEL_TYPES = (
+    "llama qwen2 qwen3 qwen3_moe mistral mixtral phi3 olmo olmo2 olmo3 olmoe granite granitemoe smollm3 glm glm4 gemma "
+    "gemma3_text cohere cohere2 starcoder2 stablelm helium arcee apertus ernie4_5 exaone4 hunyuan_v1_dense ministral "
+    "gpt_oss"
+).split()
 FLEX_DEVICES = {"cuda"}  # device types whose packed rows use FlexAttention's block mask; the CPU's has no backward
 
 
@@ -2993,6 +3020,27 @@ def pack_rows(samples: list[Sample], capacity: int) -> list[dict]:
     return rows
 
 
+def layout(config) -> tuple[bool, str]:
+    """Whether a model trains on packed rows, and the line that says why. Packing hands the model a custom mask and
+    position ids, which only a family checked exact takes as given (its attention may need what the trie's does not
+    give: soft-capping, sinks); any other causal LM trains in padded rows, one sample a row, through its own mask."""
+    kind = config.model_type
+    if kind not in PACKED_MODEL_TYPES:
+        return False, f"padded rows: {kind} is not a family checked exact in packed rows (see PACKED_MODEL_TYPES)"
+    if getattr(config, "output_router_logits", False):
+        return False, f"padded rows: {kind} computes its router's aux loss from a padding mask, which packed rows lack"
+    return True, f"packed rows: {kind} is checked exact"
+
+
+def padded_rows(samples: list[Sample]) -> list[dict]:
+    """One row per sample, nothing shared: `pack_rows`'s layout for a model that does not pack."""
+    rows = []
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        rows.append({"ids": s.input_ids, "pos": list(range(n)), "members": [(i, np.arange(n), 0)]})
+    return rows
+
+
 def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
     """Rows longest first, as many to a micro-batch as fit `budget` tokens (rows x the longest); a longer row alone."""
     mbs: list[list[dict]] = []
@@ -3004,48 +3052,110 @@ def make_microbatches(rows: list[dict], budget: int) -> list[list[dict]]:
     return mbs
 
 
-def attention_mask(end: torch.Tensor, segments: list[tuple]):
+def attention_mask(end: torch.Tensor, depth: torch.Tensor, segments: list[tuple]):
     """Which keys each query sees in depth-first trie rows: key k's subtree is the span k..end[k], so query q sees k
-    iff k <= q <= end[k], its ancestors and itself. On a GPU, FlexAttention's block mask of that (it skips the blocks
-    that see nothing); elsewhere `trie_attention` runs each sample's span against its path (`segments`), and the mask
-    is a placeholder of the 4D shape that transformers passes through to it as given."""
+    iff k <= q <= end[k], its ancestors and itself. A layer with a sliding window W (the `sliding_window` its attention
+    passes) sees the ancestors fewer than W deep above the query, depth[q] - depth[k] < W, as transformers' own window
+    (kv > q - W) on one sample's row. On a GPU, FlexAttention's block mask of that (it skips the blocks that see
+    nothing), which carries the trie for `trie_flex_attention` to make a window's mask; elsewhere `trie_attention`
+    runs each sample's span against its path (`segments`), and the mask is a placeholder of the 4D shape that
+    transformers passes through to it as given."""
     R, L = end.shape
     if end.device.type in FLEX_DEVICES:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def ancestor(b, h, q, k):
-            return (k <= q) & (q <= end[b, k])
-
-        return create_block_mask(ancestor, R, None, L, L, device=end.device)
+        mask = trie_block_mask(end, depth, None)
+        mask.trie_rows = {"end": end, "depth": depth, "windowed": {}}
+        return mask
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=end.device).expand(R, 1, L, L)
     mask.trie_segments = segments
     return mask
 
 
+def trie_block_mask(end: torch.Tensor, depth: torch.Tensor, window: int | None):
+    """FlexAttention's block mask of the trie rows (see `attention_mask`), within `window` when it is not None."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, L = end.shape
+
+    def sees(b, h, q, k):
+        ancestor = (k <= q) & (q <= end[b, k])
+        if window is None:
+            return ancestor
+        return ancestor & (depth[b, q] - depth[b, k] < window)
+
+    return create_block_mask(sees, R, None, L, L, device=end.device)
+
+
+def trie_flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """FlexAttention (a GPU's packed attention): a layer with a sliding window takes the trie's block mask within its
+    window, made once a micro-batch; any other call (a full layer, the sampler's mask) is transformers' own."""
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    window = kwargs.get("sliding_window")
+    rows = getattr(attention_mask, "trie_rows", None)
+    if window and rows is not None:
+        if window not in rows["windowed"]:
+            rows["windowed"][window] = trie_block_mask(rows["end"], rows["depth"], window)
+        attention_mask = rows["windowed"][window]
+    return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def trie_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row) attend to
-    the keys of its path, with a causal mask aligned to the path's end, so a token sees exactly its ancestors and no
-    pair that a dense [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's."""
+    """Attention over packed trie rows without a dense mask: each sample's new tokens (a span of its row, the last of
+    its path) attend to the keys of its path, so a token sees exactly its ancestors (within the layer's sliding
+    window, if it has one: see `attention_mask`; keys older than the window are not read) and no pair that a dense
+    [L, L] mask would hide is computed. Any other call (the sampler's, a plain mask) is SDPA's, or with attention
+    sinks `attend`'s."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     segments = getattr(attention_mask, "trie_segments", None)
-    if segments is None:
+    sinks = kwargs.get("s_aux")  # gpt_oss's attention sinks, which transformers' SDPA does not compute
+    if segments is None and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if segments is None:  # a plain call with sinks: sdpa_mask's mask, or None where the call is causal
+        Q = query.shape[2]
+        K = key.shape[2]
+        seen = torch.ones(Q, K, dtype=torch.bool, device=query.device).tril(K - Q)
+        if attention_mask is not None:
+            seen = attention_mask[:, :, :, :K]
+        return attend(query, key, value, seen, dropout, scaling, sinks).transpose(1, 2).contiguous(), None
+    window = kwargs.get("sliding_window")  # this layer's; None for full attention
     out = query.new_zeros(query.shape)  # [R, heads, L, head_dim]; a row's padding attends to nothing
     for r, start, stop, keys in segments:
         q = query[r : r + 1, :, start:stop]
-        seen = torch.ones(stop - start, len(keys), dtype=torch.bool, device=q.device).tril(len(keys) - stop + start)
-        k = key[r : r + 1, :, keys]
-        v = value[r : r + 1, :, keys]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
-        out[r : r + 1, :, start:stop] = o
+        q_depth = torch.arange(len(keys) - (stop - start), len(keys), device=q.device)[:, None]  # the path's last
+        first = 0  # the path's first key that the span sees: its root, or the oldest within the window
+        if window:
+            first = max(0, len(keys) - (stop - start) - window + 1)
+        k_depth = torch.arange(first, len(keys), device=q.device)
+        seen = k_depth <= q_depth
+        if window:
+            seen = seen & (q_depth - k_depth < window)
+        k = key[r : r + 1, :, keys[first:]]
+        v = value[r : r + 1, :, keys[first:]]
+        out[r : r + 1, :, start:stop] = attend(q, k, v, seen, dropout, scaling, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
-def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """One micro-batch: its packed rows, padded to the longest (no sample's token sees a pad), and per sample in
-    them the loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the
-    flat row position of the token before; `tgt`, the token; `pick`, its flat [B, T] position."""
+def attend(q, k, v, seen, dropout: float, scaling, sinks=None):
+    """SDPA of queries over the keys each has `seen`. Attention sinks (gpt_oss: a learned logit per head in every
+    softmax, carrying no value) are one more key per head, of value 0, whose score the float mask sets to the sink."""
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, seen, dropout, scale=scaling, enable_gqa=True)
+    B, H, Q = q.shape[:3]
+    zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+    k = torch.cat([k, zero], 2)
+    v = torch.cat([v, zero], 2)
+    bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))
+    sink = sinks.to(q.dtype).view(1, H, 1, 1).expand(B, H, Q, 1)
+    bias = torch.cat([bias.expand(B, H, Q, -1), sink], -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, bias, dropout, scale=scaling, enable_gqa=True)
+
+
+def collate(rows: list[dict], samples: list[Sample], pad_id: int, device, packed: bool = True) -> dict:
+    """One micro-batch: its rows, padded to the longest (no sample's token sees a pad), and per sample in them the
+    loss's [B, T] tensors and where its trained tokens' logprobs come from (`packed_logprobs`): `src`, the flat row
+    position of the token before; `tgt`, the token; `pick`, its flat [B, T] position. Packed rows take the trie's mask
+    and depth positions; padded rows (one sample each) a plain padding mask, with which the model makes its own."""
     L = max(len(row["ids"]) for row in rows)
     members = [(r, samples[i], path, held) for r, row in enumerate(rows) for i, path, held in row["members"]]
     T = max(len(s.input_ids) for _, s, _, _ in members)
@@ -3070,10 +3180,15 @@ def collate(rows: list[dict], samples: list[Sample], pad_id: int, device) -> dic
         return torch.tensor(np.concatenate(arrays), dtype=torch.long, device=device)
 
     in_batch = [s for _, s, _, _ in members]
+    pos = None
+    attn = pad([[1] * len(row["ids"]) for row in rows], 0, L, torch.long)
+    if packed:
+        pos = pad([row["pos"] for row in rows], 0, L, torch.long)
+        attn = attention_mask(torch.tensor(end, device=device), pos, segments)
     return {
         "ids": pad([row["ids"] for row in rows], pad_id, L, torch.long),
-        "pos": pad([row["pos"] for row in rows], 0, L, torch.long),
-        "attn": attention_mask(torch.tensor(end, device=device), segments),
+        "pos": pos,
+        "attn": attn,
         "src": flat(src),
         "tgt": flat(tgt),
         "pick": flat(pick),
@@ -3106,18 +3221,24 @@ def chunk_logprobs(logits, targets, temperature: float):
 
 
 def prepare_microbatches(model, ref_model, samples: list[Sample], cfg: Config, pad_id: int, device) -> tuple:
-    """Packed micro-batches with reference logprobs (beta > 0) and pre-update policy logprobs (num_iterations > 1,
-    in train mode as the loss's forwards, so dropout acts alike on both sides of the ratio). A micro-batch holds
-    max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample), in rows of at most that.
-    Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded with empty ones."""
+    """Micro-batches (packed or padded rows, as `layout` says) with reference logprobs (beta > 0) and pre-update
+    policy logprobs (num_iterations > 1, in train mode as the loss's forwards, so dropout acts alike on both sides of
+    the ratio). A micro-batch holds max_tokens_per_microbatch tokens (0: micro_batch_size times the longest sample),
+    in rows of at most that. Every rank runs as many as the busiest one (FSDP all-gathers in every forward), padded
+    with empty ones."""
+    packed, _ = layout(getattr(model, "module", model).config)  # DDP holds the model as .module
     longest = max((len(s.input_ids) for s in samples), default=1)
     budget = max(cfg.max_tokens_per_microbatch or cfg.micro_batch_size * longest, longest)
-    rows = pack_rows(samples, budget)
+    if packed:
+        rows = pack_rows(samples, budget)
+    else:
+        rows = padded_rows(samples)
     groups = make_microbatches(rows, budget)
     n_mb = int(all_reduce(len(groups), op="max")[0])
     filler = Sample([pad_id], [0], [0.0], [-1], [0.0], versions=[-1])
     empty = [{"ids": [pad_id], "pos": [0], "members": [(len(samples), np.zeros(1, dtype=np.int64), 0)]}]
-    mbs = [collate(g, samples + [filler], pad_id, device) for g in groups + [empty] * (n_mb - len(groups))]
+    fillers = [empty] * (n_mb - len(groups))
+    mbs = [collate(g, samples + [filler], pad_id, device, packed) for g in groups + fillers]
     with torch.no_grad(), autocast(cfg, device):
         for mb in mbs:
             if cfg.num_iterations > 1:
@@ -3394,19 +3515,28 @@ def _coerce(name: str, value, typ):
 
 
 # Ours, not pydantic's: measured (docs/recipe-keys.md), it took 232 more code tokens and a dependency, worse messages.
+def read_recipe(path: str) -> tuple[str, dict]:
+    """The recipe's path (a shipped recipe from any folder) and its YAML mapping."""
+    if path.endswith(".py"):
+        raise python_recipe_error(path)
+    here = os.path.join(HERE, path)
+    if not os.path.isfile(path) and os.path.isfile(here):
+        path = here
+    if not os.path.isfile(path):
+        raise recipe_not_found(path)
+    with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
+        raw = read_yaml(f, path) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+    return path, raw
+
+
 def load_config(path: str | None = None, overrides: list[str] = (), say=None) -> Config:
     """Recipe YAML + `key=value` overrides -> a checked Config. Unknown keys and wrong types fail. Plug-in and data
     paths are made absolute (`locate_paths`; `say` reports where they were found)."""
     raw = {}
     if path:
-        here = os.path.join(HERE, path)  # a shipped recipe, from any folder
-        path = here if not os.path.isfile(path) and os.path.isfile(here) else path
-        if not os.path.isfile(path):
-            raise ConfigError(f"recipe not found: {path}")
-        with open(path, "rb") as f:  # bytes: YAML's reader names the file and position of any byte that is not UTF-8
-            raw = read_yaml(f, path) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: a recipe must be a YAML mapping of key: value")
+        path, raw = read_recipe(path)
     hints, rules = typing.get_type_hints(Config), field_rules()
     overridden = {}  # key -> its override, as written
     for ov in overrides:
@@ -3535,6 +3665,55 @@ def read_yaml(stream, where: str):
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
 
 
+COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "help")  # and run.sh's own: serve, test
+PLUGIN_KEYS = {
+    "reward": "outcome_reward_funcs",
+    "eval": "eval_dataset",
+    "dataset": "dataset",
+    "agent": "agent",
+}  # guessed
+
+
+def recipe_not_found(path: str) -> ConfigError:
+    """A recipe that is not there, often a mistyped command or path: the commands, and the nearest of both."""
+    recipes = glob.glob("hf_recipes/**/*.yaml", root_dir=HERE, recursive=True)
+    recipes += glob.glob(os.path.join(os.path.dirname(path), "*.y*ml"))
+    close = difflib.get_close_matches(path, [*COMMANDS, "serve", "test"], n=1, cutoff=0.7)
+    close += difflib.get_close_matches(path, recipes, n=1, cutoff=0.8)  # a path shares its folder with the others
+    hint = ""
+    if close:
+        hint = f" (did you mean '{close[0]}'?)"
+    commands = ", ".join(COMMANDS)
+    return ConfigError(
+        f"recipe not found: {path}{hint}. Commands: {commands} (run.sh also: serve, test); a recipe is a YAML file, "
+        "as in hf_recipes/"
+    )
+
+
+def python_recipe_error(path: str) -> ConfigError:
+    """A .py given as the recipe: a recipe is YAML, and the functions the file defines are named in one by path."""
+    here = os.path.join(HERE, path)  # a shipped plug-in, from any folder
+    full = here if not os.path.isfile(path) and os.path.isfile(here) else path
+    names = []
+    if os.path.isfile(full):  # read, not run: its top-level functions
+        with contextlib.suppress(SyntaxError, ValueError, UnicodeDecodeError), open(full) as f:
+            names = [n.name for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef)]
+    examples = []
+    for name in names:
+        key = next((k for word, k in PLUGIN_KEYS.items() if word in name), None)  # a tool can have any name
+        if key == "outcome_reward_funcs":  # a list key
+            examples.append(f"'{key}: [{path}:{name}]'")
+        elif key:
+            examples.append(f"'{key}: {path}:{name}'")
+    if not examples:
+        examples = [f"'dataset: {path}:make_dataset'", f"'tools: [{path}:my_tool]'"]
+    name_them = "e.g. " + ", ".join(examples[:3])
+    return ConfigError(
+        f"{path} is Python, but a recipe is a YAML file of key: value (as in hf_recipes/). A plug-in the .py defines "
+        f"is named in a recipe by path:function, {name_them}; then run that recipe"
+    )
+
+
 def print_help():
     docs = field_docs()
     hints = typing.get_type_hints(Config)
@@ -3569,11 +3748,15 @@ def load_object(spec: str, what: str = "object"):
     if module is None:
         spec_ = importlib.util.spec_from_file_location(mod_name, full)
         sys.modules[mod_name] = module = importlib.util.module_from_spec(spec_)
+        folder = os.path.dirname(os.path.abspath(full))
+        sys.path.insert(0, folder)  # its siblings import (`from calc import rows`), as when the file runs as a script
         try:
             spec_.loader.exec_module(module)
         except (Exception, SystemExit) as e:
             del sys.modules[mod_name]  # the next load runs the file again, not a half-made module
             raise plugin_error(e, f"{what} file '{path}' failed on import") from None
+        finally:
+            sys.path.remove(folder)
     if not hasattr(module, name):
         raise ConfigError(f"{what} '{name}' not found in {path}")
     return getattr(module, name)
@@ -4011,15 +4194,16 @@ TRAINER_ENDS = ("truncated", "max_env_steps", "context", "replay_diverged")  # t
 # Request fields, decided one by one (docs/agents.md). Refused with a 400 that names the field, when set otherwise:
 REFUSED = {
     "n": (1, "one choice per request: each request is one turn of one episode"),
-    "stream": (False, "this endpoint answers whole replies; set stream=False"),
     "logprobs": (False, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
-    "top_logprobs": (None, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
+    "top_logprobs": (0, "the trainer records the sampled tokens' logprobs itself; this endpoint returns none"),
     "stop": (None, "the tool format decides where a turn stops"),
     "presence_penalty": (0, "a penalty changes the distribution the trainer trains on"),
     "frequency_penalty": (0, "a penalty changes the distribution the trainer trains on"),
     "logit_bias": (None, "a bias changes the distribution the trainer trains on"),
 }
 OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
+# What each episode's base_url, /episodes/<key>/v1, serves:
+ROUTES = (("POST", "chat/completions"), ("POST", "responses"), ("GET", "models"))
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 410: "gone", 500: "server_error"}
 
 
@@ -4284,13 +4468,15 @@ class AgentEnv(MultiTurnToolEnv):
                 if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                     raise AgentError(400, "messages: only text content parts are served", "messages")
                 content = "".join(p["text"] for p in content)
-            if role not in ("system", "user", "assistant", "tool") or not isinstance(content, str):
+            if role not in ("system", "developer", "user", "assistant", "tool") or not isinstance(content, str):
                 raise AgentError(
                     400,
                     f"messages: a message of role {role!r} with text content is not served "
-                    "(roles: system, user, assistant, tool)",
+                    "(roles: system, developer, user, assistant, tool)",
                     "messages",
                 )
+            if role == "developer":  # the system message, as newer OpenAI models name it
+                role = "system"
             msg = {"role": role, "content": self.chat.norm(content)}
             if role == "tool":
                 msg = self.fmt.result(msg["content"])
@@ -4316,10 +4502,15 @@ def tool_call_from(call) -> dict:
 
 
 def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int) -> dict:
-    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings)."""
+    """The OpenAI chat completion of one sampled turn: its tool calls as tool_calls (arguments as JSON strings). A turn
+    cut by max_tokens is `length` with no tool_calls, whole calls in it too: the trainer ended the episode truncated,
+    so no harness runs a tool whose result the trainer will not take."""
     message = {"role": "assistant", "content": reply["content"]}
-    finish = "length" if c.finish_reason == "length" else "stop"
+    finish = "stop"
     calls = reply.get("tool_calls")
+    if c.finish_reason == "length":
+        finish = "length"
+        calls = None
     if calls:
         message["tool_calls"] = []
         for k, call in enumerate(calls):
@@ -4337,6 +4528,212 @@ def completion_body(ep: Episode, reply: dict, c: Completion, prompt_tokens: int)
         "choices": [choice],
         "usage": usage,
     }
+
+
+# The Responses API (POST .../v1/responses) is the same turn: its request becomes a chat completions request, and the
+# chat completion its Response. Its own fields, decided one by one (docs/agents.md); those not named are ignored.
+RESPONSES_REFUSED = {
+    "previous_response_id": "this endpoint stores no responses; send the whole conversation as input",
+    "conversation": "this endpoint stores no conversations; send the whole conversation as input",
+    "prompt": "this endpoint stores no prompts; send instructions and input",
+    "background": "each request is one turn, answered once it is sampled",
+}
+RESPONSES_FIELDS = ("model", "temperature", "top_p", "tool_choice", "stream", "top_logprobs", "parallel_tool_calls")
+
+
+def chat_request(body: dict) -> dict:
+    """A Responses API request -> the chat completions request of the same turn: `instructions` the system message,
+    `input` the messages, its function tools the chat tools, `max_output_tokens` the cap; the sampling fields as they
+    are, for the same checks. Whether and how long the policy thinks is the recipe's: `reasoning` is ignored."""
+    for name, why in RESPONSES_REFUSED.items():
+        if body.get(name):
+            raise AgentError(400, f"{name} is not served: {why}", name)
+    out = {name: body[name] for name in RESPONSES_FIELDS if name in body}
+    out["messages"] = messages_from_input(body.get("instructions"), body.get("input"))
+    if body.get("tools"):
+        out["tools"] = [chat_tool(tool) for tool in body["tools"]]
+    if body.get("max_output_tokens") is not None:
+        out["max_completion_tokens"] = body["max_output_tokens"]
+    if (body.get("text") or {}).get("format", {"type": "text"}) not in ({"type": "text"}, None):
+        raise AgentError(400, "text.format: only text; sampling is not constrained", "text")
+    if "message.output_text.logprobs" in (body.get("include") or ()):
+        why = REFUSED["logprobs"][1]
+        raise AgentError(400, f"include: message.output_text.logprobs is not served: {why}", "include")
+    return out
+
+
+def chat_tool(tool) -> dict:
+    """A Responses function tool (name, description, parameters, strict at its top) -> a chat completions tool."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise AgentError(400, f"tools: only function tools with a name are served, got {kind!r}", "tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def messages_from_input(instructions, items) -> list[dict]:
+    """The Responses API's input items -> chat messages. A message's text parts are joined; each function_call joins
+    the assistant message before it, as its tool_calls (a turn that only called tools has no message item); a
+    function_call_output is a tool message. Reasoning items are left out: this endpoint returns none (the sampled
+    thinking stays in the message's text, verbatim, so a reply sent back is the turn it was)."""
+    messages = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise AgentError(400, "input: a string or a non-empty list of input items is required", "input")
+    for item in items:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": input_text(item.get("content"))})
+        elif kind == "function_call":
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            function = {"name": item.get("name"), "arguments": item.get("arguments")}
+            call = {"id": item.get("call_id"), "type": "function", "function": function}
+            messages[-1]["tool_calls"] = messages[-1].get("tool_calls", []) + [call]
+        elif kind == "function_call_output":
+            output = input_text(item.get("output"))
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+        elif kind != "reasoning":
+            raise AgentError(
+                400,
+                f"input: an item of type {kind!r} is not served "
+                "(types: message, function_call, function_call_output, reasoning)",
+                "input",
+            )
+    return messages
+
+
+def input_text(content):
+    """A Responses message's or tool output's content: a string, or text parts (input_text, output_text) joined."""
+    if not isinstance(content, list):
+        return content
+    if any(not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text") for p in content):
+        raise AgentError(400, "input: only text content parts (input_text, output_text) are served", "input")
+    return "".join(p["text"] for p in content)
+
+
+def response_body(completion: dict, request: dict) -> dict:
+    """The chat completion of a turn as the Responses API's Response: its text an output_text message (none when the
+    turn only called tools), each tool call a function_call item; a turn cut at max_tokens is incomplete."""
+    from openai.types.responses import Response
+
+    choice = completion["choices"][0]
+    message = choice["message"]
+    key = completion["id"].removeprefix("chatcmpl-")
+    status = "completed"
+    if choice["finish_reason"] == "length":
+        status = "incomplete"
+    output = []
+    if message["content"] or not message.get("tool_calls"):
+        text = {"type": "output_text", "text": message["content"], "annotations": []}
+        output.append({"type": "message", "id": f"msg_{key}", "role": "assistant", "status": status, "content": [text]})
+    for call in message.get("tool_calls") or []:
+        function = call["function"]
+        item = {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": status}
+        output.append({**item, "name": function["name"], "arguments": function["arguments"]})
+    usage = completion["usage"]
+    body = {
+        "id": f"resp_{key}",
+        "object": "response",
+        "created_at": completion["created"],
+        "model": completion["model"],
+        "status": status,
+        "output": output,
+        "parallel_tool_calls": request.get("parallel_tool_calls") is not False,
+        "tool_choice": "auto",
+        "tools": request.get("tools") or [],
+        "usage": {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        },
+    }
+    if status == "incomplete":
+        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    return Response.model_validate(body).model_dump(mode="json", exclude_unset=True)
+
+
+def response_events(response: dict) -> list[dict]:
+    """A Response as the Responses API's stream: created, in progress, each output item added, its text or arguments
+    (one delta each), done, then completed or incomplete; each event numbered, and checked against the openai
+    package's `ResponseStreamEvent`."""
+    started = {k: v for k, v in response.items() if k not in ("usage", "incomplete_details")}
+    started = {**started, "status": "in_progress", "output": []}
+    events = [{"type": "response.created", "response": started}, {"type": "response.in_progress", "response": started}]
+    for i, item in enumerate(response["output"]):
+        at = {"output_index": i, "item_id": item["id"]}
+        added = {"type": "response.output_item.added", "output_index": i}
+        if item["type"] == "message":
+            part = item["content"][0]
+            text = {**at, "content_index": 0, "logprobs": []}
+            events += [
+                {**added, "item": {**item, "status": "in_progress", "content": []}},
+                {"type": "response.content_part.added", **at, "content_index": 0, "part": {**part, "text": ""}},
+                {"type": "response.output_text.delta", **text, "delta": part["text"]},
+                {"type": "response.output_text.done", **text, "text": part["text"]},
+                {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
+            ]
+        else:  # a function call
+            events += [
+                {**added, "item": {**item, "status": "in_progress", "arguments": ""}},
+                {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]},
+            ]
+        events.append({"type": "response.output_item.done", "output_index": i, "item": item})
+    events.append({"type": f"response.{response['status']}", "response": response})
+    for n, event in enumerate(events):
+        event["sequence_number"] = n
+        if "response" not in event:  # the Response was checked whole (`response_body`); checking it again costs ~4 ms
+            response_event_type().validate_python(event)
+    return events
+
+
+@functools.cache
+def response_event_type():
+    """The openai package's `ResponseStreamEvent`, as pydantic checks it (built once: it is a union of ~100 types)."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    return pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+def completion_chunks(body: dict, include_usage: bool) -> list[dict]:
+    """A chat completion as the `chat.completion.chunk`s of a stream (the turn is sampled whole, then sent): the role
+    and the text, the tool calls, the finish reason, then the usage where `stream_options.include_usage` asks."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+    done = ChatCompletion.model_validate(body)
+    message = done.choices[0].message
+    deltas = [{"role": "assistant", "content": message.content}]
+    if message.tool_calls:
+        deltas.append({"tool_calls": [{"index": k, **c.model_dump()} for k, c in enumerate(message.tool_calls)]})
+    choices = [{"index": 0, "delta": ChoiceDelta.model_validate(d)} for d in deltas]
+    choices.append({"index": 0, "delta": ChoiceDelta(), "finish_reason": done.choices[0].finish_reason})
+    head = dict(id=done.id, created=done.created, model=done.model, object="chat.completion.chunk")
+    chunks = [ChatCompletionChunk(**head, choices=[choice]) for choice in choices]
+    if include_usage:
+        chunks.append(ChatCompletionChunk(**head, choices=[], usage=done.usage))
+    return [chunk.model_dump(mode="json", exclude_none=True) for chunk in chunks]
+
+
+def server_sent(events: list[dict], named: bool) -> list[str]:
+    """Server-sent events: each `data: <json>`, under `event: <its type>` where named (the Responses API's), or
+    closed by `data: [DONE]` (chat completions')."""
+    out = []
+    for event in events:
+        name = ""
+        if named:
+            name = f"event: {event['type']}\n"
+        out.append(f"{name}data: {json.dumps(event)}\n\n")
+    if not named:
+        out.append("data: [DONE]\n\n")
+    return out
 
 
 def run_harness(agent, state: AgentEpisode, url: str):
@@ -4398,9 +4795,9 @@ class SamplingQueue:
 
 
 class AgentEndpoint:
-    """127.0.0.1 on a free port, for one rollout: POST /episodes/<key>/v1/chat/completions and GET .../v1/models.
-    Each episode's URL names it; an unknown one gets 404, one whose harness ended 410, a bad request 400 naming its
-    field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
+    """127.0.0.1 on a free port, for one rollout: each episode's base_url, /episodes/<key>/v1, serves ROUTES (a chat
+    completion or a Response, each whole or streamed, and the models). An unknown episode or route gets 404, an episode whose harness
+    ended 410, a bad request 400 naming its field. Requests of one episode take its lock, one turn at a time (a concurrent one is counted)."""
 
     def __init__(self, env: AgentEnv, sampler, generator, temperature: float, branching: bool):
         import http.server
@@ -4409,6 +4806,7 @@ class AgentEndpoint:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body are two writes: Nagle would hold the body for an ACK
 
             def setup(self):
                 super().setup()
@@ -4458,24 +4856,58 @@ class AgentEndpoint:
         except AgentError as e:
             kind = ERROR_TYPES[e.status]
             status, body = e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}
+        kind = "application/json"
         data = json.dumps(body).encode()
+        if isinstance(body, list):  # server-sent events, whole: a Content-Length body of events is a valid stream
+            kind = "text/event-stream"
+            data = "".join(body).encode()
         handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Type", kind)
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
         handler.wfile.write(data)
 
-    def answer(self, path: str, raw: bytes | None) -> dict:
-        hit = re.fullmatch(r"/episodes/([^/]+)/v1/(chat/completions|models)", path.split("?")[0])
+    def answer(self, path: str, raw: bytes | None) -> dict | list[str]:
+        """A JSON body, or a stream's server-sent events."""
+        hit = re.fullmatch(r"/episodes/([^/]+)/v1/(.*)", path.split("?")[0])
         state = self.states.get(hit.group(1)) if hit else None
         if state is None:
             raise AgentError(404, f"no episode at {path}: each harness gets its own base_url")
-        if hit.group(2) == "models" or raw is None:
+        route = (("POST" if raw is not None else "GET"), hit.group(2))
+        if route not in ROUTES:
+            served = ", ".join(f"{method} {name}" for method, name in ROUTES)
+            raise AgentError(404, f"no route {route[0]} {path}: an episode's base_url serves {served}")
+        if route[1] == "models":
             return {"object": "list", "data": [{"id": AGENT_MODEL, "object": "model", "owned_by": "mt-grpo"}]}
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as e:
             raise AgentError(400, f"the request body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise AgentError(400, "the request body must be a JSON object")
+        if route[1] == "responses":
+            return self.response(state, body)
+        completion = self.turn(state, body)
+        if not body.get("stream"):
+            return completion
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return server_sent(completion_chunks(completion, include_usage), named=False)
+
+    def response(self, state: AgentEpisode, body: dict) -> dict | list[str]:
+        """A Responses API request: the chat completions request of the same turn, its reply as a Response."""
+        try:
+            completion = self.turn(state, chat_request(body))
+        except AgentError as e:
+            if e.param == "messages":  # the messages made of instructions and input
+                e.param = "input"
+            raise
+        response = response_body(completion, body)
+        if not body.get("stream"):
+            return response
+        return server_sent(response_events(response), named=True)
+
+    def turn(self, state: AgentEpisode, body: dict) -> dict:
+        """The environment's turn for one request, under the episode's lock: its chat completion."""
         if not state.lock.acquire(blocking=False):  # another thread of this harness is in a turn
             self.env.count("concurrent_requests")
             state.lock.acquire()

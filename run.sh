@@ -96,7 +96,9 @@ case "${1:-}" in
         # MTGRPO_TEST_WORKERS (2) pytest processes, each taking whole files in tests/conftest.py's order (0: one process, e.g. for -s)
         par=(); [ "${MTGRPO_TEST_WORKERS:-2}" != 0 ] && par=(-n "${MTGRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
         MTGRPO_VLLM_VENV=$VLLM_VENV exec "$PY" -m pytest -q ${par[@]+"${par[@]}"} ${where[@]+"${where[@]}"} "$@" ;;
-  "")   exec "$PY" "$TRAINER" "$DEFAULT_RECIPE" ;;
+  "")   echo "[run.sh] training the embedded default ($DEFAULT_RECIPE), 100 steps. README's measured outcome" \
+             "reward, median [range] over seeds 0-5: step 1 0.188 [0.141, 0.297], steps 91-100 0.887 [0.855, 0.894]; this run prints its own at its end"
+        exec "$PY" "$TRAINER" "$DEFAULT_RECIPE" ;;
   -*|help|check-template|merge-lora|plot) exec "$PY" "$TRAINER" "$@" ;;
 esac
 

@@ -4,7 +4,7 @@ direct [B, T, vocab] log-softmax: peak memory, time and the largest difference b
 
     python bench/gpu_step.py [--tokenizer DIR] [--layers 28] [--seq 2048] [--samples 16] [--group 1]
         [--mb-tokens 16384] [--cases full lora logprobs] (also full,no-gc and lora,no-gc: without gradient
-        checkpointing; and full,padded, lora,padded: the padded micro-batches packing replaced, bench/packing.py's)
+        checkpointing; and full,padded, lora,padded: the trainer's padded rows, one sample a row, bench/packing.py's)
 
 Packed against padded on the Qwen3-1.7B shape: `--cases full full,padded --group 8` (a group of 8 shares its prompt).
 A tiny smoke check on a CPU: `--layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1 --cases full full,padded`;
@@ -16,7 +16,7 @@ vocabulary 151936, tied embeddings), saved as a local model folder (bf16 safeten
 the trainer's load_models, as a run loads model_name_or_path. Each case runs in a fresh process. A step is
 train_on_samples on --samples random sequences of --seq tokens (the first half prompt, the same in each --group
 consecutive samples; the second half trained, advantages +-1), beta 0, one iteration, micro-batches of --mb-tokens
-(packed; the `padded` cases as before packing). tokens/s counts the samples' tokens; MFU the tokens the step
+(packed; the `padded` cases one sample a row). tokens/s counts the samples' tokens; MFU the tokens the step
 processed (packed: each shared prompt once). MFU counts model FLOPs per token, the recomputation of
 gradient checkpointing not included: 6N + 12*layers*hidden*seq for full fine-tuning, 4N + 8*layers*hidden*seq with
 LoRA (no weight gradients for the frozen base), N the parameters (the tied head counted once), over --peak-tflops
@@ -41,7 +41,7 @@ import mt_grpo_trainer as M  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # bench/logprob_memory.py imports its baseline from the tests
 from logprob_memory import direct_logprobs, loss_step  # noqa: E402   direct_logprobs: the baseline
-from packing import padded, padded_collate  # noqa: E402   the padded micro-batches packing replaced
+from packing import padded  # noqa: E402   the trainer's padded rows, one sample a row
 
 QWEN3_1_7B = dict(
     hidden_size=2048,
@@ -160,7 +160,8 @@ def logprob_case(args) -> dict:
     cfg = M.load_config(None, ["mixed_precision=bf16", f"output_dir={args.model}-out"])
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mb = padded_collate(samples(args)[: max(1, args.mb_tokens // args.seq)], 0, device)
+    batch = samples(args)[: max(1, args.mb_tokens // args.seq)]
+    mb = M.collate(M.padded_rows(batch), batch, 0, device, packed=False)
     out, logps = {}, {}
     for name, fn in (("warm-up", M.token_logprobs), ("chunked", M.token_logprobs), ("direct", direct_logprobs)):
         model.zero_grad(set_to_none=True)

@@ -20,8 +20,8 @@ Cases:
 Every case runs on the toy-kv model (2 layers, hidden 128) but the tree, on the toy-chain model. One step is
 train_on_samples (one iteration, beta 0, SGD with learning rate 0 so that every step sees the same weights) with the
 recipe's micro-batching (micro_batch_size 64; the last two cases max_tokens_per_microbatch 16,384). The padded
-baseline is the trainer's micro-batching before issue 36 (collate, make_microbatches by the token budget,
-prepare_microbatches, token_logprobs over [B, T] padded rows), kept in this file only. Time: the median of --repeats
+baseline is the trainer's own padded rows (`padded_rows`: one sample a row, the model's own mask), the path a family
+that does not pack trains on (issue 46), forced here by an empty PACKED_MODEL_TYPES. Time: the median of --repeats
 steps of each, alternating, after a warm-up step of each. Peak memory: the most tensor memory live at once during a
 step (bench/logprob_memory.py's peak_mb: from the profiler's allocation events; torch.cuda.max_memory_allocated on
 a GPU). Both paths' loss/policy are printed: they must agree to float rounding. "distinct (trie)" counts the tokens
@@ -61,54 +61,18 @@ NAMES = {
 }
 
 
-# --- the padded baseline: the trainer's micro-batching before issue 36 ------------------------------------------
-
-
-def padded_collate(samples, pad_id: int, device) -> dict:
-    T = max(len(s.input_ids) for s in samples)
-
-    def pad(rows, fill, dtype=torch.float32):
-        return torch.tensor([r + [fill] * (T - len(r)) for r in rows], dtype=dtype, device=device)
-
-    return {
-        "ids": pad([s.input_ids for s in samples], pad_id, torch.long),
-        "attn": pad([[1] * len(s.input_ids) for s in samples], 0, torch.long),
-        "mask": pad([s.weights or s.loss_mask for s in samples], 0.0),
-        "sampler_logp": pad([s.sampler_logprobs for s in samples], 0.0),
-        "adv": pad([s.advantages for s in samples], 0.0),
-        "seq_tokens": torch.tensor([float(s.episode_tokens or sum(s.loss_mask)) for s in samples], device=device),
-    }
-
-
-def padded_microbatches(samples, cfg) -> list[list]:
-    if cfg.max_tokens_per_microbatch <= 0:
-        return [samples[i : i + cfg.micro_batch_size] for i in range(0, len(samples), cfg.micro_batch_size)]
-    mbs = []
-    for s in sorted(samples, key=lambda s: -len(s.input_ids)):
-        if mbs and (len(mbs[-1]) + 1) * len(mbs[-1][0].input_ids) <= cfg.max_tokens_per_microbatch:
-            mbs[-1].append(s)
-        else:
-            mbs.append([s])
-    return mbs
-
-
-def padded_prepare(model, ref_model, samples, cfg, pad_id, device) -> tuple:
-    groups = padded_microbatches(samples, cfg)
-    processed = sum(len(g) * max(len(s.input_ids) for s in g) for g in groups)
-    metrics = {"train/processed_tokens": processed, "train/micro_batches": len(groups)}
-    return [padded_collate(g, pad_id, device) for g in groups], metrics
+# --- the padded baseline: the trainer's padded rows (one sample a row), which any model not checked exact packed takes ---
 
 
 @contextlib.contextmanager
 def padded():
-    """train_on_samples as it ran before: padded rows, one per sample, every position's logprob."""
-    saved = (M.prepare_microbatches, M.packed_logprobs)
-    M.prepare_microbatches = padded_prepare
-    M.packed_logprobs = lambda model, mb, t: M.token_logprobs(model, mb["ids"], mb["attn"], t)
+    """train_on_samples on padded rows, one sample a row, as the trainer runs a family that does not pack."""
+    saved = M.PACKED_MODEL_TYPES
+    M.PACKED_MODEL_TYPES = ()
     try:
         yield
     finally:
-        M.prepare_microbatches, M.packed_logprobs = saved
+        M.PACKED_MODEL_TYPES = saved
 
 
 # --- the cases ------------------------------------------------------------------------------------------------

@@ -180,9 +180,33 @@ MUTATIONS = [
     ),
     Mutation(
         "the GPU's block mask is causal over the whole row, not over a token's ancestors",
-        "            return (k <= q) & (q <= end[b, k])",
-        "            return k <= q",
+        "        ancestor = (k <= q) & (q <= end[b, k])",
+        "        ancestor = k <= q",
         ["tests/test_packing.py", "-k", "block_mask"],
+    ),
+    Mutation(
+        "a family not checked exact in packed rows packs",
+        "    if kind not in PACKED_MODEL_TYPES:",
+        "    if False:",
+        ["tests/test_models.py", "-k", "does_not_pack"],
+    ),
+    Mutation(
+        "a layer's sliding window is dropped in the CPU's packed attention",
+        '    window = kwargs.get("sliding_window")  # this layer\'s; None for full attention',
+        "    window = None",
+        ["tests/test_models.py", "-k", "sliding_window_packs"],
+    ),
+    Mutation(
+        "gpt_oss's attention sinks are dropped on the CPU (packed rows and plain calls alike)",
+        "    sinks = kwargs.get(\"s_aux\")  # gpt_oss's attention sinks, which transformers' SDPA does not compute",
+        "    sinks = None",
+        ["tests/test_models.py", "-k", "gpt_oss or sinks"],
+    ),
+    Mutation(
+        "a GPU's windowed layer takes the full trie's block mask",
+        '    window = kwargs.get("sliding_window")\n    rows = getattr(attention_mask, "trie_rows", None)',
+        '    window = None\n    rows = getattr(attention_mask, "trie_rows", None)',
+        ["tests/test_models.py", "-k", "gpu_block"],
     ),
     Mutation(
         "an agent harness's request is recorded as the list the episode's reply is appended to",

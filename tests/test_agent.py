@@ -5,7 +5,9 @@ come back as the same messages (so the sample extends), a harness that edits its
 the trainer refuses or overrides, and every fault as a counted outcome (I6), with nothing left listening."""
 
 import json
+import re
 import os
+import shutil
 import socket
 import threading
 import time
@@ -175,6 +177,268 @@ def test_native_tool_calls_several_in_one_turn_go_out_as_tool_calls_and_come_bac
     assert trained_turns(ep) == sampler.turns
 
 
+def test_a_turn_cut_after_a_whole_tool_call_is_length_with_no_tool_calls_so_no_harness_runs_the_tool(qwen3, tmp_path):
+    """The trainer ends a cut turn `truncated`: a reply with tool_calls would have the harness run its tool and meet
+    the 410, and its library's error would become the agent_result the reward functions read."""
+    call = json.dumps({"name": "lookup", "arguments": {"key": "golf"}})
+    seen = {}
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            r = client(base_url).chat.completions.create(model="policy", messages=messages)
+            message = r.choices[0].message
+            seen.setdefault("finish", []).append(r.choices[0].finish_reason)
+            if not message.tool_calls:
+                return message.content
+            messages.append(message.model_dump(exclude_none=True))
+            for c in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": "1"})
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native")
+    sampler = ByPrompt(qwen3, lambda text: f"Looking.\n<tool_call>\n{call}\n</tool_call>\nand then", finish="length")
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert seen["finish"] == ["length"], "one request: the harness ran no tool"
+    assert ep.end_reason == "truncated" and len(ep.turns) == 1
+    assert ep.row["agent_result"].startswith("Looking."), "the reply's text, not an error of the harness"
+
+
+LOOKUP = {
+    "type": "function",
+    "function": {"name": "lookup", "description": "d", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def two_lookups_then_answer(text):
+    """Native calls: two lookups in one turn, then an answer once their results are in."""
+    if "<tool_response>" in text:
+        return "The values are known."
+    calls = [{"name": "lookup", "arguments": {"key": k}} for k in ("golf", "kilo")]
+    return "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+
+
+def streamed_message(stream) -> tuple[dict, str, object]:
+    """A harness's fold of `chat.completion.chunk`s: the message, the finish reason, the usage (None if none came)."""
+    message = {"role": None, "content": ""}
+    calls = {}
+    finish = None
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            message["role"] = delta.role or message["role"]
+            message["content"] += delta.content or ""
+            for c in delta.tool_calls or []:
+                call = calls.setdefault(
+                    c.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                call["id"] += c.id or ""
+                call["function"]["name"] += c.function.name or ""
+                call["function"]["arguments"] += c.function.arguments or ""
+            finish = choice.finish_reason or finish
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return message, finish, usage
+
+
+def test_a_streamed_turn_is_the_whole_turn_as_chunks_and_comes_back_as_the_same_turn(qwen3, tmp_path):
+    """The real client's stream, folded as a harness folds it: the same message (text, native tool calls with their ids
+    and JSON arguments), finish reason and usage as the whole reply, so the episode is token for token the same."""
+    seen = {}
+
+    def agent(row, base_url, stream):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            kw = dict(model="policy", messages=messages, tools=[LOOKUP])
+            if stream:
+                usage_asked = len(messages) == 1  # the first turn asks for the usage chunk, the second does not
+                kw.update(stream=True, stream_options={"include_usage": True} if usage_asked else None)
+                message, finish, usage = streamed_message(client(base_url).chat.completions.create(**kw))
+            else:
+                r = client(base_url).chat.completions.create(**kw)
+                message = r.choices[0].message.model_dump(exclude_none=True)
+                finish = r.choices[0].finish_reason
+                usage = r.usage
+            seen.setdefault(stream, []).append((message, finish, usage and usage.model_dump(exclude_none=True)))
+            messages.append(message)
+            if not message.get("tool_calls"):
+                return message["content"]
+            for c in message["tool_calls"]:
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": c["id"],
+                        "content": TABLE[json.loads(c["function"]["arguments"])["key"]],
+                    }
+                )
+
+    eps = {}
+    for stream in (False, True):
+        env = agent_env(qwen3, tmp_path, lambda row, url: agent(row, url, stream), "tool_format=native")
+        sampler = ByPrompt(qwen3, two_lookups_then_answer, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        [eps[stream]] = env.rollout(rows(["golf"]), sampler)
+    (first, finish, usage), (second, finish2, usage2) = seen[True]
+    assert (finish, finish2) == ("tool_calls", "stop")
+    assert [json.loads(c["function"]["arguments"]) for c in first["tool_calls"]] == [{"key": "golf"}, {"key": "kilo"}]
+    assert second == {"role": "assistant", "content": "The values are known."}
+    assert usage == seen[False][0][2] and usage["completion_tokens"] > 0 and usage2 is None
+    assert [m for m, _, _ in seen[True]] == [m for m, _, _ in seen[False]], "the stream carries the whole reply"
+    a, b = eps[True], eps[False]
+    assert a.end_reason == "answer" and a.forks == 0 and len(a.samples) == 1, "the streamed reply came back as sent"
+    assert [(s.input_ids, s.loss_mask, s.sampler_logprobs) for s in a.samples] == [
+        (s.input_ids, s.loss_mask, s.sampler_logprobs) for s in b.samples
+    ]
+
+
+def text_then_two_lookups(text):
+    if "<tool_response>" in text:
+        return "The values are known."
+    return "Looking both up.\n" + two_lookups_then_answer(text)
+
+
+def chat_harness(row, base_url):
+    """The Responses harness's conversation, through chat completions."""
+    messages = [{"role": "system", "content": "Look keys up."}, {"role": "user", "content": row["prompt"]}]
+    while True:
+        message = client(base_url).chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+        message = message.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for c in message.tool_calls:
+            value = TABLE[json.loads(c.function.arguments)["key"]]
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": value})
+
+
+def responses_harness(mode, seen):
+    """A Responses API harness: instructions, a string input, function tools; each reply's output items go back as
+    input (with a reasoning item of its own, left out), each call's result as a function_call_output."""
+    tool = {"type": "function", "name": "lookup", "description": "d", "parameters": LOOKUP["function"]["parameters"]}
+
+    def agent(row, base_url):
+        items = row["prompt"]
+        while True:
+            kw = dict(model="policy", instructions="Look keys up.", input=items, tools=[tool])
+            if mode == "whole":
+                r = client(base_url).responses.create(**kw)
+            elif mode == "stream":
+                events = list(client(base_url).responses.create(**kw, stream=True))
+                seen.append([e.type for e in events])
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                r = events[-1].response
+                deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+                assert deltas == r.output_text
+            else:  # the client's stream helper, which checks each event against the snapshot it builds
+                with client(base_url).responses.stream(**kw) as stream:
+                    r = stream.get_final_response()
+            assert r.status == "completed" and r.usage.output_tokens > 0
+            if isinstance(items, str):
+                items = [{"role": "user", "content": items}, {"type": "reasoning", "id": "rs_0", "summary": []}]
+            items += [item.model_dump(exclude_none=True) for item in r.output]
+            calls = [item for item in r.output if item.type == "function_call"]
+            if not calls:
+                return r.output_text
+            for c in calls:
+                output = TABLE[json.loads(c.arguments)["key"]]
+                items.append({"type": "function_call_output", "call_id": c.call_id, "output": output})
+
+    return agent
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream", "helper"])
+def test_the_responses_api_is_the_same_turn_as_a_chat_completion(qwen3, tmp_path, mode):
+    """A harness on the Responses API (whole, streamed, or through the client's stream helper) and one on chat
+    completions, with the same sampler: the same episode, token for token; each reply came back as the same turn."""
+    eps = {}
+    seen = []
+    for name, agent in (("chat", chat_harness), ("responses", responses_harness(mode, seen))):
+        env = agent_env(qwen3, tmp_path, agent, "tool_format=native")
+        sampler = ByPrompt(qwen3, text_then_two_lookups, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        [eps[name]] = env.rollout(rows(["golf"]), sampler)
+    a, b = eps["responses"], eps["chat"]
+    assert a.row["agent_result"] == b.row["agent_result"] == "The values are known."
+    assert a.end_reason == "answer" and a.tool_calls == 2 and a.forks == 0 and len(a.samples) == 1
+    assert a.completion == b.completion and a.messages == b.messages
+    assert [(s.input_ids, s.loss_mask, s.sampler_logprobs) for s in a.samples] == [
+        (s.input_ids, s.loss_mask, s.sampler_logprobs) for s in b.samples
+    ]
+    if mode == "stream":
+        item = ["response.output_item.added"]
+        text = ["response.content_part.added", "response.output_text.delta", "response.output_text.done"]
+        text += ["response.content_part.done", "response.output_item.done"]
+        call = ["response.function_call_arguments.delta", "response.function_call_arguments.done"]
+        call += ["response.output_item.done"]
+        head = ["response.created", "response.in_progress"]
+        assert seen[0] == head + item + text + (item + call) * 2 + ["response.completed"]
+        assert seen[1] == head + item + text + ["response.completed"]
+
+
+def test_responses_fields_are_refused_by_name_or_ignored_and_a_cut_turn_is_incomplete(tok, tmp_path):
+    """Each refused Responses field is a 400 naming it as the Responses API does; what a library sends by default
+    (reasoning, text verbosity, store, truncation) is served; max_output_tokens caps the turn, and a turn it cuts is
+    `incomplete` (max_output_tokens), whole or streamed. An unknown route names the routes there are."""
+    errors = {}
+    got = {}
+
+    def agent(row, base_url):
+        kw = dict(model="policy", input=row["prompt"])
+        asks = {
+            "previous_response_id": dict(previous_response_id="resp_1"),
+            "conversation": dict(conversation="conv_1"),
+            "tools": dict(tools=[{"type": "web_search"}]),
+            "input": dict(input=[{"type": "item_reference", "id": "msg_1"}]),
+            "tool_choice": dict(tool_choice="required"),
+            "text": dict(text={"format": {"type": "json_object"}}),
+            "model": dict(model="gpt-5.6-luna"),
+            "top_logprobs": dict(top_logprobs=5),
+            "include": dict(include=["message.output_text.logprobs"]),
+        }
+        for name, ask in asks.items():
+            try:
+                client(base_url).responses.create(**{**kw, **ask})
+            except openai.BadRequestError as e:
+                errors[name] = (e.status_code, e.param, e.message)
+        try:
+            client(base_url).embeddings.create(model="policy", input="x")
+        except openai.NotFoundError as e:
+            got["unknown route"] = e.message
+        defaults = dict(reasoning={"effort": "none"}, text={"verbosity": "low"}, store=False, truncation="auto")
+        ask = dict(**kw, **defaults, max_output_tokens=5, temperature=0.3)
+        if row["key"] == "stream":
+            events = list(client(base_url).responses.create(**ask, stream=True))
+            got["stream"] = (events[-1].type, events[-1].response)
+            return events[-1].response.status
+        r = client(base_url).responses.create(**ask)
+        got["whole"] = (r.status, r)
+        return r.status
+
+    budgets = []
+
+    class Budgets(ByPrompt):
+        def generate(self, prompts, max_tokens, *a, **k):
+            budgets.extend(max_tokens)
+            return super().generate(prompts, max_tokens, *a, **k)
+
+    env = agent_env(tok, tmp_path, agent, "temperature=1.0")
+    sampler = Budgets(tok, lambda text: "<reasoning>long", finish="length")
+    eps = env.rollout([{"prompt": "q", "key": "whole"}, {"prompt": "q", "key": "stream"}], sampler)
+    assert sorted(errors) == sorted(
+        ["previous_response_id", "conversation", "tools", "input", "tool_choice", "text", "model", "top_logprobs"]
+        + ["include"]
+    )
+    for name, (status, param, message) in errors.items():
+        assert status == 400 and param == name, message
+    assert "/v1/embeddings" in got["unknown route"] and "POST responses, GET models" in got["unknown route"]
+    assert budgets == [5, 5], "max_output_tokens caps the turn; refused requests sample nothing"
+    assert [ep.end_reason for ep in eps] == ["truncated", "truncated"]
+    assert got["stream"][0] == "response.incomplete"
+    for response in (got["whole"][1], got["stream"][1]):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.output_text == "<reasoning>long" and response.output[0].status == "incomplete"
+    assert env.stats() == {"agent/overridden_temperature": 2}
+
+
 def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_sampled(tok, tmp_path):
     from tasks.toy_kv_agent import run_tool
 
@@ -209,7 +473,6 @@ def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overr
         messages = [{"role": "user", "content": row["prompt"]}]
         asks = {
             "n": dict(n=2),
-            "stream": dict(stream=True),
             "logprobs": dict(logprobs=True),
             "model": dict(model="gpt-4o"),
             "stop": dict(stop=["x"]),
@@ -228,7 +491,7 @@ def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overr
     env = agent_env(tok, tmp_path, agent, "temperature=1.0")
     sampler = ByPrompt(tok, lambda text: "<answer>x</answer>")
     [ep] = env.rollout(rows(["golf"]), sampler)
-    assert sorted(errors) == ["logprobs", "messages", "model", "n", "stop", "stream", "tool_choice", "tools"]
+    assert sorted(errors) == ["logprobs", "messages", "model", "n", "stop", "tool_choice", "tools"]
     for name, (status, param, message) in errors.items():
         assert status == 400 and param == name, message
     assert "'policy'" in errors["model"][2] and "tool_format" in errors["tools"][2]
@@ -477,3 +740,72 @@ def test_a_harness_that_keeps_its_client_open_leaves_no_thread_behind_and_its_ow
     evaluated = env.rollout(rows(["kilo"]), ByPrompt(tok, lambda text: "<answer>x</answer>"), eval_temperature=0.0)
     assert evaluated[0].end_reason == "agent_error"
     assert evaluated[0].row["agent_result"] == "TimeoutError: the harness's own deadline"
+
+
+def kv_native_reply(text):
+    """The toy's protocol in native calls: look the key the question names up, then answer with the result."""
+    if "<tool_response>" not in text:
+        key = re.search(r'"(\w+)"', text.rsplit("<|im_start|>user", 1)[1]).group(1)  # the question's key
+        return f"<tool_call>\n{json.dumps({'name': 'lookup', 'arguments': {'key': key}})}\n</tool_call>"
+    value = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+    return f"<answer>{value}</answer>"
+
+
+def test_the_openai_agents_sdk_on_its_defaults_runs_episodes_through_the_responses_api(qwen3, tmp_path):
+    """The OpenAI Agents SDK's own loop, function tool and Responses API model: each of its requests is one turn, each
+    reply comes back as the turn it was (one sample, no fork), and the trained tokens are the sampled ones (I1)."""
+    from tasks.toy_kv_agents_sdk import agent
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native", "system_prompt=")
+    sampler = ByPrompt(qwen3, kv_native_reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+    keys = ["golf", "kilo"]
+    eps = env.rollout(rows(keys), sampler)
+    for ep, k in zip(eps, keys):
+        assert ep.row["agent_result"] == f"<answer>{TABLE[k]}</answer>", ep.row["agent_result"]
+        assert ep.end_reason == "answer" and ep.tool_calls == 1 and len(ep.turns) == 2
+        assert ep.forks == 0 and len(ep.samples) == 1 and ep.tokenization_mismatches == 0
+        assert trained_turns(ep) == [t for t in sampler.turns if t in trained_turns(ep)] and len(trained_turns(ep)) == 2
+        assert ep.messages[0]["role"] == "system" and ep.messages[0]["content"].startswith("Look the key up")
+    assert "agent/history_edits" not in env.stats()
+
+
+def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkeypatch):
+    """Two steps of the toy task run by the Agents SDK, in-process: a random model with the Qwen3 chat template (native
+    tools), a scripted sampler that answers right in one episode of each group (so its advantages are not zero)."""
+    from test_templates import FIX
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    shutil.copy(os.path.join(FIX, "qwen3_chat_template.jinja"), model_dir / "chat_template.jinja")
+
+    class RightInEveryOtherEpisode(ByPrompt):
+        """A group's episodes have consecutive sessions: one of each two answers wrong."""
+
+        def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+            outs = []
+            for prompt, session in zip(prompts, sessions):
+                self.reply = kv_native_reply
+                if session % 2:
+                    self.reply = lambda text: (
+                        "<answer>wrong</answer>" if "<tool_response>" in text else kv_native_reply(text)
+                    )
+                outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
+            return outs
+
+    def sampler(model, tok):
+        return RightInEveryOtherEpisode(tok, kv_native_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+
+    monkeypatch.setattr(M, "LocalSampler", sampler)
+    recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
+    overrides = ["agent=tasks/toy_kv_agents_sdk.py:agent", "tool_format=native", "system_prompt=", "model_builder="]
+    overrides += [f"model_name_or_path={model_dir}", f"output_dir={tmp_path}/run", "max_steps=2", "eval_steps=0"]
+    overrides += ["prompts_per_step=2", "num_generations=2", "max_tokens=128", "max_seq_len=2048"]
+    overrides += ["log_episodes_steps=1"]
+    history = M.train(M.load_config(recipe, overrides))
+    assert [m["step"] for m in history] == [1, 2]
+    for m in history:
+        assert m["rollout/tool_calls"] == 1 and m["reward/outcome"] == 0.5 and m["loss/grad_norm"] > 0, m
+    with open(f"{tmp_path}/run/episodes.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == 8 and {e["end_reason"] for e in episodes} == {"answer"}
+    assert all(e["messages"][-1]["content"].startswith("<answer>") for e in episodes)

@@ -180,6 +180,32 @@ def test_cli_reports_config_errors_without_a_traceback():
     )
 
 
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["evl"], ["recipe not found: evl (did you mean 'eval'?)", "Commands: train, eval, check-template"]),
+        (["eval", "hf_recipes/toy/toy-kv--mt-grp.yaml"], ["(did you mean 'hf_recipes/toy/toy-kv--mt-grpo.yaml'?)"]),
+        (["tasks/toy_kv_agent.py"], ["a recipe is a YAML file", "'agent: tasks/toy_kv_agent.py:agent'"]),
+        (["rewards/toy_kv_reward.py"], ["'outcome_reward_funcs: [rewards/toy_kv_reward.py:exact_answer_reward]'"]),
+    ],
+)
+def test_a_mistyped_command_or_recipe_gets_the_commands_and_the_nearest_and_a_py_gets_how_to_name_it(
+    capsys, argv, needles
+):
+    err = main_error(capsys, *argv)
+    assert all(n in err for n in needles), err
+
+
+def test_help_into_a_pipe_its_reader_closed_ends_without_a_traceback():
+    p = subprocess.Popen(
+        [sys.executable, "mt_grpo_trainer.py", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    p.stdout.close()  # as `| head` does once it has its lines; here before the first one (the import takes seconds)
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_missing_plugin_file_and_function_are_named():
     with pytest.raises(M.ConfigError, match="reward file not found: 'rewards/nope.py'"):
         M.load_object("rewards/nope.py:f", "reward")
@@ -214,6 +240,16 @@ def test_a_plugin_that_fails_on_import_is_one_line_naming_its_file_and_line(tmp_
     assert all(n.format(p=p) in err for n in needles), err
     p.write_text("def f(key: str) -> str:\n    return key\n")  # fixed: the next load runs the file again
     assert M.load_object(f"{p}:f", "tool")("k") == "k"
+
+
+def test_a_plugin_imports_the_modules_beside_it(tmp_path):
+    task = tmp_path / "my_task"
+    task.mkdir()
+    (task / "my_task_calc.py").write_text("def rows():\n    return [{'prompt': 'What is 2+2?', 'answer': '4'}]\n")
+    (task / "task.py").write_text("from my_task_calc import rows\n\ndef make_dataset():\n    return rows()\n")
+    path = list(sys.path)
+    assert M.load_rows(f"{task}/task.py:make_dataset") == [{"prompt": "What is 2+2?", "answer": "4"}]
+    assert sys.path == path, "the plug-in's folder is on sys.path only while it loads"
 
 
 PLUGINS = """
@@ -347,6 +383,19 @@ def test_the_recipe_key_table_is_current_and_the_readme_shows_the_ci_command():
     readme = open("README.md").read()
     assert "bash run.sh test" in readme and "bash run.sh test" in open(".ci/run").read()
     assert len(readme.splitlines()) <= 300, "README.md stays short; details go to docs/"
+
+
+def test_the_default_runs_first_line_says_what_the_readme_measured():
+    """`bash run.sh` opens with the figures README's table gives for it (median [range] over seeds), so a first-time
+    user's console and the README say the same; the run's own step 1 and last-10 figures print at its end."""
+    row = next(line for line in open("README.md") if line.startswith("| in-process (`bash run.sh`)"))
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    script = open("run.sh").read()
+    start = script.index("training the embedded default")
+    said = script[start : script.index('exec "$PY" "$TRAINER" "$DEFAULT_RECIPE"', start)]  # the echo before the run
+    assert f"step 1 {cells[1]}" in said and f"steps 91-100 {cells[3]}" in said, (
+        f"run.sh's first line for `bash run.sh` must quote README's in-process row: {cells[1]!r}, {cells[3]!r}"
+    )
 
 
 def test_every_relative_link_in_the_docs_resolves():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mt_grpo_trainer as M
-from tests.conftest import recipe_cfg
+from tests.conftest import main_error, recipe_cfg
 
 
 def test_eval_command_runs_greedy_episodes_and_writes_the_table(tiny_model_dir, tmp_path, capsys, monkeypatch):
@@ -64,6 +64,20 @@ def test_eval_without_an_eval_dataset_is_a_clear_error(tiny_model_dir, tmp_path,
     assert "eval needs eval_dataset" in capsys.readouterr().err
 
 
+def test_eval_of_the_newest_checkpoint_where_there_is_none_stops_and_says_so(tmp_path, capsys):
+    err = main_error(
+        capsys,
+        "eval",
+        "hf_recipes/toy/toy-kv--mt-grpo.yaml",
+        f"model_name_or_path={tmp_path}/none",
+        "model_builder=",
+        f"output_dir={tmp_path}/run",
+        "resume_from_checkpoint=auto",
+    )
+    assert f"'{tmp_path}/run' holds no checkpoint, so it would evaluate the untrained {tmp_path}/none" in err, err
+    assert not (tmp_path / "run").exists(), "nothing evaluated, nothing written"
+
+
 def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
     hist = M.train(
         recipe_cfg(
@@ -81,6 +95,23 @@ def test_training_evaluates_every_eval_steps(tiny_model_dir, tmp_path):
     assert [h["step"] for h in hist] == [0, 1, 2], "step 0: the evaluation before training, a row of its own"
     assert ["eval/exact_answer_reward" in h for h in hist] == [True, False, True]
     assert (tmp_path / "run" / "eval" / "step-2.jsonl").is_file()
+
+
+def test_a_run_without_evaluation_writes_no_eval_folder(tiny_model_dir, tmp_path):
+    M.train(
+        recipe_cfg(
+            tmp_path,
+            f"model_name_or_path={tiny_model_dir}",
+            "model_builder=",
+            "max_steps=1",
+            "eval_steps=0",
+            "prompts_per_step=2",
+            "num_generations=2",
+            "max_tokens=12",
+        )
+    )
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert not (tmp_path / "run" / "eval").exists()
 
 
 def eval_command(tiny_model_dir, out, *extra):

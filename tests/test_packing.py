@@ -110,10 +110,18 @@ def random_group(vocab: int, lengths, shared: int, seed: int = 0) -> list[M.Samp
     return with_losses(samples, seed)
 
 
+def rows_for(model, samples) -> tuple[list[dict], bool]:
+    """The rows the trainer would train `model` on: packed if its family packs (`M.layout`), else padded."""
+    packs, _ = M.layout(model.config)
+    if packs:
+        return M.pack_rows(samples, 10**9), True
+    return M.padded_rows(samples), False
+
+
 def packed(model, samples, autocast=False):
-    """Each sample's token logprobs [T], from one packed micro-batch of all of them."""
-    rows = M.pack_rows(samples, 10**9)
-    mb = M.collate(rows, samples, 0, CPU)
+    """Each sample's token logprobs [T], from one micro-batch of all of them, in the rows its family trains on."""
+    rows, packs = rows_for(model, samples)
+    mb = M.collate(rows, samples, 0, CPU, packs)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         lp = M.packed_logprobs(model, mb, 0.7)
     order = [i for row in rows for i, _, _ in row["members"]]
@@ -147,7 +155,7 @@ def assert_exact(model, samples, autocast=False):
     scale = float(want_grad.abs().max())  # float32: summed in another order; bf16: rounded activations
     grad_tol = {"rtol": 0.05, "atol": 0.05 * scale} if autocast else {"rtol": 1e-4, "atol": 1e-5 * scale}
     torch.testing.assert_close(got_grad, want_grad, **grad_tol)
-    rows = M.pack_rows(samples, 10**9)
+    rows, _ = rows_for(model, samples)
     return sum(len(s.input_ids) for s in samples) - sum(len(row["ids"]) for row in rows)
 
 
@@ -181,7 +189,7 @@ def test_the_gpu_block_mask_gives_each_samples_own_logprobs(monkeypatch):
     reference = small_qwen3(97)
     monkeypatch.setattr(M, "FLEX_DEVICES", {"cpu", "cuda"})
     model = small_qwen3(97)
-    assert model.config._attn_implementation == "flex_attention"
+    assert model.config._attn_implementation == "mtgrpo_flex"
     model.load_state_dict(reference.state_dict())
     assert not hasattr(M.collate(M.pack_rows(samples, 10**9), samples, 0, CPU)["attn"], "trie_segments")
     with torch.no_grad():
@@ -281,19 +289,9 @@ def test_a_packed_update_is_the_update_of_each_sample_alone(tiny_model_dir, tmp_
     torch.testing.assert_close(got_w, want_w, rtol=tol, atol=tol / 10)
 
 
-def test_a_model_whose_mask_packing_cannot_set_is_refused_at_load(tmp_path, tok):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    cfg = recipe_cfg(tmp_path, f"model_name_or_path={tmp_path}")
-    with pytest.raises(M.ConfigError, match="is a gpt2 model, which packed training does not support; use a model"):
-        M.load_models(cfg, str(tmp_path), CPU)
-
-
 def test_the_benches_padded_baseline_makes_the_packed_update_and_reports_what_they_read(tiny_model_dir, tmp_path):
-    """bench/packing.py and bench/gpu_step.py compare packed steps against `padded()`, the micro-batches before
-    packing: both must train the same samples to the same update, and report the metrics the benches print."""
+    """bench/packing.py and bench/gpu_step.py compare packed steps against `padded()`, the trainer's padded rows:
+    both must train the same samples to the same update, and report the metrics the benches print."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))

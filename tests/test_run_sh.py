@@ -564,11 +564,11 @@ def test_a_bench_stopped_by_sigterm_stops_its_servers_and_training_runs_whole_pr
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "run.sh").write_text(f"setsid sleep 600 &\necho $$ $! > {tmp_path / 'train'}\nwait\n")
     bench = (
-        f"import sys, time\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
+        f"import sys, time, types\nsys.path.insert(0, 'bench')\nimport async_overlap as B\n"
         f"with B.served([sys.executable, {str(server)!r}], 'http://127.0.0.1:{port}', 120):\n"
         "    print('healthy', flush=True)\n"
         f"    B.ROOT = {str(tmp_path / 'root')!r}\n"
-        f"    B.train({str(tmp_path / 'run')!r}, server='http://127.0.0.1:{port}')\n"
+        f"    B.train(types.SimpleNamespace(set=[]), {str(tmp_path / 'run')!r}, server='http://127.0.0.1:{port}')\n"
     )
     p = subprocess.Popen(
         [sys.executable, "-c", bench], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -683,6 +683,14 @@ def test_run_sh_train_recipe_works_as_the_usage_says(tmp_path):
     )
     assert r.returncode == 1 and "recipe not found" not in r.stderr, r.stderr
     assert "unknown config key 'train_gpu' in the override 'train_gpu=0' on the command line" in r.stderr
+
+
+def test_a_mistyped_command_is_one_line_with_the_commands_and_the_nearest(tmp_path):
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (bin_dir / "nvidia-smi").unlink()
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "evl", timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "recipe not found: evl (did you mean 'eval'?)" in r.stderr and "Commands: train, eval" in r.stderr
 
 
 def test_a_gpu_recipe_on_a_machine_without_a_gpu_says_so_before_any_download(tmp_path):

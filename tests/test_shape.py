@@ -25,6 +25,12 @@ FEATURE_TOKENS = {
     "agent harnesses: an OpenAI-compatible endpoint per episode whose requests are the environment's turns, replayed to branch (issue 37)": 3_795,
     "the evaluation at step 0 a row of metrics.jsonl, which the summary compares with the last (issue 44)": 130,
     "sync_check: false turns the weight-sync probe off, for a server without prompt_logprobs (issue 44)": 40,
+    "a recipe or command not found named with the nearest, a .py recipe's plug-ins named, eval auto with no checkpoint stops, plug-ins import their siblings, no empty eval/, a closed pipe, a truncated agent turn is length (issues 45, 47)": 492,
+    "the agent endpoint streams, and serves the Responses API, its bodies built and checked with the openai package's types (issue 47)": 2_028,
+    "any causal LM trains: padded rows (one sample a row) for a family not checked exact packed, a line at load says which (issue 46)": 185,
+    "24 families checked exact in packed rows, an MoE's aux loss keeps it padded, LoRA's all-linear the same in every family (issue 46)": 90,
+    "sliding windows in the trie mask, in depth positions, on the CPU and in FlexAttention's block masks: 30 families pack (issue 46)": 278,
+    "attention sinks (gpt_oss) on the CPU, in packed rows and plain calls: one more key per head, scored by its sink (issue 46)": 342,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 

@@ -99,6 +99,7 @@ def run_cfg(tmp_path, model_dir, name, *extra):
         f"output_dir={tmp_path}/{name}",
         f"turn_reward_funcs=[{reward}:length_parity]",
         "learning_rate=0.01",
+        "lr_scheduler=constant",  # the toy recipe decays it to 0 at max_steps, which these runs change
         "prompts_per_step=2",
         "num_generations=4",
         "max_tokens=12",

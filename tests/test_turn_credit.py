@@ -338,6 +338,7 @@ class Tabular(torch.nn.Module):
         super().__init__()
         self.theta = torch.nn.Parameter(torch.tensor(theta, dtype=torch.float64))
         self.rows = len(proc["rows"])
+        self.config = types.SimpleNamespace(model_type="llama")  # a table reads one token: packed rows as any family
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         forced = torch.tensor([[0.0, -1e9]], dtype=torch.float64)

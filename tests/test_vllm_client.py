@@ -402,6 +402,7 @@ def test_the_sync_check_judges_one_small_step_and_stops_a_run_whose_reload_did_n
         "num_generations=4",
         "max_tokens=12",
         "learning_rate=2e-6",
+        "lr_scheduler=constant",  # every step as small (the toy recipe decays it to 0)
         "max_steps=4",
         "log_episodes_steps=0",
     ]
