@@ -196,15 +196,16 @@ class Config:
     advantage_mode: Annotated[str, ADVANTAGE_MODES] = "mt_grpo"
     """A key of ADVANTAGE_MODES: mt_grpo (turn/outcome split, paper Eq. 5) | mt_grpo_merged_fallback (the paper's
     code: GRPO-MR on episodes without a tool result) | grpo_outcome (GRPO-OR) | grpo_merged (GRPO-MR) |
-    reward_to_go (per-turn rewards, prompt baseline) | tree (branching: sibling baselines, any number of turns)."""
+    reward_to_go (per-turn rewards, prompt baseline) | tree (branching: sibling baselines, any number of turns) |
+    state_matched (per-turn rewards, the baseline of the episodes of the group in exactly the turn's state)."""
     turn_advantage_coef: Annotated[float, ">= 0"] = 1.0
     """lambda: weight of the turn advantage on tokens before the first tool result."""
     scale_rewards: bool = True
     """The paper's modes (mt_grpo, grpo_*): divide group-centred rewards by the group std (False = centre only, as in
     Dr. GRPO)."""
     scale_returns: bool = False
-    """The per-turn modes (reward_to_go, tree): divide a group's advantages by the std of its returns (False = centre
-    only: unbiased; docs/turn-credit.md measures what the division costs)."""
+    """The per-turn modes (reward_to_go, tree, state_matched): divide a group's advantages by the std of its returns
+    (False = centre only: unbiased; docs/turn-credit.md measures what the division costs)."""
     # --- loss
     epsilon: Annotated[float, "[0, 1]"] = 0.2
     """PPO clip range below 1: ratios under 1 - epsilon are clipped."""
@@ -350,6 +351,12 @@ class Turn:
 
     prompt_len: int
     sampled_len: int  # its ids and logprobs are in the sample that holds it, from `prompt_len` on
+    state: bytes = b""  # state_key of the prompt's token ids: equal for turns sampled after exactly the same tokens
+
+
+def state_key(ids) -> bytes:
+    """The state a turn is sampled in, as a key: a digest of the token ids the sampler saw before it."""
+    return hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -668,6 +675,35 @@ def tree_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> 
     return [[float(advantage[n]) for n in ep.turn_nodes] for ep in episodes]
 
 
+def state_matched_advantages(episodes: list[Episode], turn_R, outcome_R, cfg: Config) -> PerTurn:
+    """Per-turn rewards, each turn against the other episodes of its group that were in exactly its state. Turn k's
+    advantage is its reward-to-go minus the mean reward-to-go of the other episodes that sampled a turn after exactly
+    the same token ids (`Turn.state`): the baseline of the turn's own state that branching buys with extra samples,
+    found among independent episodes (they share the prompt, and the prefix up to where their calls or results
+    differ). Where no other episode reached that state, the baseline is the mean reward-to-go of the others from the
+    same turn index; where none has that turn, the mean return of the others (reward_to_go's). Every level is a
+    function of other, independent episodes and of what the turn saw, never of the turn's own episode: unbiased."""
+    returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
+    prompt_baselines = mean_of_others(returns)
+    to_go = [[sum(r[k:]) + o for k in range(len(ep.turns))] for ep, r, o in zip(episodes, turn_R, outcome_R)]
+    reached = collections.defaultdict(list)  # a state, or a turn index -> (episode, its reward-to-go from there)
+    for i, ep in enumerate(episodes):
+        for k, turn in enumerate(ep.turns):
+            reached[turn.state].append((i, to_go[i][k]))
+            reached[k].append((i, to_go[i][k]))
+    scale = return_scale(turn_R, outcome_R, cfg)
+    advantages = []
+    for i, ep in enumerate(episodes):
+        per_turn = []
+        for k, turn in enumerate(ep.turns):
+            same_state = [q for j, q in reached[turn.state] if j != i and turn.state]
+            same_index = [q for j, q in reached[k] if j != i]
+            baseline = np.mean(same_state or same_index or [prompt_baselines[i]])
+            per_turn.append(float((to_go[i][k] - baseline) / scale))
+        advantages.append(per_turn)
+    return advantages
+
+
 # advantage_mode -> fn(episodes, turn_R, outcome_R, cfg) -> one list per episode of a group, one advantage per assistant
 # turn (ep.turns). turn_R: per episode, its turn rewards, one per turn; outcome_R: one per episode. The branch structure
 # is ep.node and ep.turn_nodes. A new mode is one function and one entry here (from outside: M.ADVANTAGE_MODES[k] = fn).
@@ -678,6 +714,7 @@ ADVANTAGE_MODES = {
     "grpo_merged": grpo_merged_advantages,
     "reward_to_go": reward_to_go_advantages,
     "tree": tree_advantages,
+    "state_matched": state_matched_advantages,
 }
 INDEPENDENT_MODES = set(ADVANTAGE_MODES) - {"tree"}  # modes that take a group's episodes as independent of each other
 
@@ -1021,7 +1058,7 @@ class MultiTurnToolEnv:
         s = ep.samples[-1]
         chat = self.chat
         s.last_prompt_len = len(s.input_ids)
-        ep.turns.append(Turn(s.last_prompt_len, len(c.ids)))
+        ep.turns.append(Turn(s.last_prompt_len, len(c.ids), state_key(s.input_ids)))
         ep.turn_nodes.append(ep.node)
         chat.append(s, c.ids, mask=1, logprobs=c.logprobs, turn=t, version=c.version)
         content_ids = c.ids
@@ -1380,76 +1417,6 @@ def train(cfg: Config, eval_only: bool = False) -> list[dict]:
     finally:  # the producer thread (max_staleness >= 1) stops with the loop, however it ends
         run.rollouts.close()
     return run.close(run.logger.history)
-
-
-def evaluate(run, step: int, record: bool = False) -> dict:
-    """Rollouts over the eval rows, scored by every reward function (the paper's table columns are reward functions):
-    `eval_samples` episodes a row at `eval_temperature`, and above 0 one greedy episode a row beside (its means as
-    eval/greedy_NAME). Rank 0 prints the table, writes eval/step-N.jsonl (and eval/step-N-greedy.jsonl; with
-    `record`, as the `eval` command does, a line of eval/metrics.jsonl) and returns the means."""
-    cfg = run.cfg
-    t0 = time.time()
-    records = eval_episodes(run, step, cfg.eval_temperature, cfg.eval_samples)
-    greedy = []
-    if cfg.eval_temperature > 0:
-        greedy = eval_episodes(run, step, 0.0, 1)
-    if run.rank != 0:
-        return {}
-    m = {}
-    files = []
-    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
-    for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
-        if not recs:
-            continue
-        files.append(os.path.join(cfg.output_dir, "eval", name))
-        with open(files[-1], "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in recs)
-        for fn in run.turn_fns + run.outcome_fns:
-            n = reward_name(fn)
-            values = [r["rewards"][n] for r in recs]
-            m[f"eval/{prefix}{n}"] = float(np.mean(values))
-        answered = [r["end_reason"] == "answer" for r in recs]
-        m[f"eval/{prefix}answered"] = float(np.mean(answered))
-    how = "greedy"
-    if cfg.eval_temperature > 0:
-        how = f"temperature {cfg.eval_temperature}, seeded"
-    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, {how} -> {', '.join(files)}")
-    print("| metric | mean |\n|---|---|")
-    for k, v in m.items():
-        print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
-    m["time/eval"] = time.time() - t0
-    if record:
-        path = os.path.join(cfg.output_dir, "eval", "metrics.jsonl")
-        with open(path, "a") as f:
-            line = {"step": step, "model": run.src, **m}
-            f.write(json.dumps(line) + "\n")
-    return m
-
-
-def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict]:
-    """`samples` episodes of each eval row (each rank takes its share of the rows), scored; on rank 0 every rank's
-    records, by row and sample, else []. The sampling is seeded by the run's seed and the step: a rerun is the same."""
-    cfg = run.cfg
-    world = run.world
-    my_rows = range(run.rank, len(run.eval_rows), world)
-    mine = [(i, j) for i in my_rows for j in range(samples)]  # (row, sample) pairs
-    chunk = cfg.prompts_per_step * cfg.num_generations // world
-    generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
-    eps = []
-    for k in range(0, len(mine), chunk):
-        batch = mine[k : k + chunk]
-        rows = [run.eval_rows[i] for i, _ in batch]
-        eps += run.env.rollout(rows, run.sampler, generator, eval_temperature=temperature)
-    if eps:  # bounded by reward_timeout; a signal waits for the step's end
-        record_rewards(run, eps)
-    kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
-    records = []
-    for (i, j), ep in zip(mine, eps):
-        fields = {k: getattr(ep, k) for k in kept}
-        records.append({"step": step, "row": i, "sample": j, **fields})
-    gathered = gather_to_rank0(records)  # one list per rank
-    records = [r for part in gathered for r in part]
-    return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
 
 # === 8. CLI ==============================================================================
@@ -2093,7 +2060,77 @@ def lora_targets(model, cfg: Config) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in linear})
 
 
-# === B. Logging: metrics.jsonl, wandb, the console line, the episode dump ================
+# === B. Logging and evaluation: metrics.jsonl, wandb, the console line, the episode dump, held-out evals =====
+
+
+def evaluate(run, step: int, record: bool = False) -> dict:
+    """Rollouts over the eval rows, scored by every reward function (the paper's table columns are reward functions):
+    `eval_samples` episodes a row at `eval_temperature`, and above 0 one greedy episode a row beside (its means as
+    eval/greedy_NAME). Rank 0 prints the table, writes eval/step-N.jsonl (and eval/step-N-greedy.jsonl; with
+    `record`, as the `eval` command does, a line of eval/metrics.jsonl) and returns the means."""
+    cfg = run.cfg
+    t0 = time.time()
+    records = eval_episodes(run, step, cfg.eval_temperature, cfg.eval_samples)
+    greedy = []
+    if cfg.eval_temperature > 0:
+        greedy = eval_episodes(run, step, 0.0, 1)
+    if run.rank != 0:
+        return {}
+    m = {}
+    files = []
+    os.makedirs(os.path.join(cfg.output_dir, "eval"), exist_ok=True)
+    for prefix, recs, name in (("", records, f"step-{step}.jsonl"), ("greedy_", greedy, f"step-{step}-greedy.jsonl")):
+        if not recs:
+            continue
+        files.append(os.path.join(cfg.output_dir, "eval", name))
+        with open(files[-1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+        for fn in run.turn_fns + run.outcome_fns:
+            n = reward_name(fn)
+            values = [r["rewards"][n] for r in recs]
+            m[f"eval/{prefix}{n}"] = float(np.mean(values))
+        answered = [r["end_reason"] == "answer" for r in recs]
+        m[f"eval/{prefix}answered"] = float(np.mean(answered))
+    how = "greedy"
+    if cfg.eval_temperature > 0:
+        how = f"temperature {cfg.eval_temperature}, seeded"
+    print(f"[mt-grpo] eval at step {step}: {len(records)} episodes, {how} -> {', '.join(files)}")
+    print("| metric | mean |\n|---|---|")
+    for k, v in m.items():
+        print(f"| {k.removeprefix('eval/')} | {v:.4f} |")
+    m["time/eval"] = time.time() - t0
+    if record:
+        path = os.path.join(cfg.output_dir, "eval", "metrics.jsonl")
+        with open(path, "a") as f:
+            line = {"step": step, "model": run.src, **m}
+            f.write(json.dumps(line) + "\n")
+    return m
+
+
+def eval_episodes(run, step: int, temperature: float, samples: int) -> list[dict]:
+    """`samples` episodes of each eval row (each rank takes its share of the rows), scored; on rank 0 every rank's
+    records, by row and sample, else []. The sampling is seeded by the run's seed and the step: a rerun is the same."""
+    cfg = run.cfg
+    world = run.world
+    my_rows = range(run.rank, len(run.eval_rows), world)
+    mine = [(i, j) for i in my_rows for j in range(samples)]  # (row, sample) pairs
+    chunk = cfg.prompts_per_step * cfg.num_generations // world
+    generator = run.generator(step, draw=-1)  # a stream of its own: training draws are 0, 1, ...
+    eps = []
+    for k in range(0, len(mine), chunk):
+        batch = mine[k : k + chunk]
+        rows = [run.eval_rows[i] for i, _ in batch]
+        eps += run.env.rollout(rows, run.sampler, generator, eval_temperature=temperature)
+    if eps:  # bounded by reward_timeout; a signal waits for the step's end
+        record_rewards(run, eps)
+    kept = ("messages", "rewards", "end_reason", "tool_calls", "tool_errors")
+    records = []
+    for (i, j), ep in zip(mine, eps):
+        fields = {k: getattr(ep, k) for k in kept}
+        records.append({"step": step, "row": i, "sample": j, **fields})
+    gathered = gather_to_rank0(records)  # one list per rank
+    records = [r for part in gathered for r in part]
+    return sorted(records, key=lambda r: (r["row"], r["sample"]))
 
 
 def episode_metrics(eps: list[Episode]) -> dict:
@@ -2110,7 +2147,27 @@ def episode_metrics(eps: list[Episode]) -> dict:
         "adv/after_abs": float(np.mean(after)) if after else 0.0,
         **{f"adv/turn{k}_abs": float(np.mean(np.abs(a))) for k, a in enumerate(per_turn) if a},
         **{f"adv/turn{k}_mean": float(np.mean(a)) for k, a in enumerate(per_turn) if a},
+        **state_match_metrics(eps),
         **rollout_metrics(eps),
+    }
+
+
+def state_match_metrics(eps: list[Episode]) -> dict:
+    """adv/state_match_rate: the share of assistant turns sampled in exactly the state of a turn of another episode of
+    their group (the baseline advantage_mode state_matched takes), overall and for each of the first 8 turn indices.
+    Branching shares states by construction: not counted there."""
+    if any(len(e.node) > 1 for e in eps):
+        return {}
+    episodes_in = collections.defaultdict(set)  # (group, state) -> the episodes that sampled a turn in it
+    for i, e in enumerate(eps):
+        for t in e.turns:
+            episodes_in[e.group, t.state].add(i)
+    matched = [[len(episodes_in[e.group, t.state]) > 1 for t in e.turns] for e in eps]
+    per_turn = [[m[k] for m in matched if k < len(m)] for k in range(8)]
+    every = [x for m in matched for x in m]
+    return {
+        "adv/state_match_rate": float(np.mean(every)) if every else 0.0,
+        **{f"adv/state_match_turn{k}": float(np.mean(m)) for k, m in enumerate(per_turn) if m},
     }
 
 

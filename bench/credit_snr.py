@@ -239,7 +239,8 @@ def episodes_of(proc: dict, theta, leaves: list, group: int) -> tuple[list, list
         s.sampler_logprobs = [x for _, state, a, _ in turns for x in (0.0, sampler_logprob(proc, logpi, state, a))]
         s.turn_idx = [x for k, t in enumerate(trained) for x in (-1, k if t else -1)]
         s.versions = [-1] * len(s.input_ids)
-        ep = M.Episode(row={}, messages=[], n_prompt_messages=0, turns=[M.Turn(0, 1)] * len(turns), samples=[s])
+        ep_turns = [M.Turn(2 * k + 1, 1, M.state_key(s.input_ids[: 2 * k + 1])) for k in range(len(turns))]
+        ep = M.Episode(row={}, messages=[], n_prompt_messages=0, turns=ep_turns, samples=[s])
         ep.node, ep.group, ep.end_reason = node, group, "answer"
         ep.turn_nodes = [t[0] for t in turns]
         ep.first_result_turn = 1 if len(turns) > 1 else None
@@ -346,7 +347,7 @@ CASES = [  # (process, roots, b, depth): G = roots x b^depth
     ("leaves", 8, 1, 1),
     ("leaves", 2, 2, 2),
 ]
-MODES = ["grpo_outcome", "grpo_merged", "mt_grpo", "reward_to_go", "tree"]
+MODES = ["grpo_outcome", "grpo_merged", "mt_grpo", "reward_to_go", "state_matched", "tree"]
 
 
 def main(argv=None):

@@ -67,6 +67,18 @@ MUTATIONS = [
         ["tests/test_loss.py", "-k", "importance"],
     ),
     Mutation(
+        "state-matched baseline includes the turn's own episode",
+        "same_state = [q for j, q in reached[turn.state] if j != i and turn.state]",
+        "same_state = [q for j, q in reached[turn.state] if turn.state]",
+        ["tests/test_turn_credit.py", "-k", "exact_gradient and state_matched"],
+    ),
+    Mutation(
+        "state-matched fallback includes the turn's own episode",
+        "same_index = [q for j, q in reached[k] if j != i]",
+        "same_index = [q for j, q in reached[k]]",
+        ["tests/test_turn_credit.py", "-k", "exact_gradient and state_matched"],
+    ),
+    Mutation(
         "advantage sign flipped",
         '"adv": pad([s.advantages for s in in_batch], 0.0, T),',
         '"adv": pad([[-a for a in s.advantages] for s in in_batch], 0.0, T),',

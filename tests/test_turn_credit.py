@@ -16,7 +16,7 @@ import torch
 import bench.credit_snr as CS
 import mt_grpo_trainer as M
 import check_template as CT
-from test_env import ScriptedSampler, make_env, tool_call
+from test_env import TABLE, ScriptedSampler, make_env, tool_call
 from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
 from test_train import run_cfg
 from vllm_standin import StandinServer
@@ -106,6 +106,37 @@ def test_returns_that_differ_by_a_float_residue_have_no_spread(mode):
     assert got == [[0.0], [0.0]]
     assert list(M.leave_one_out([0.1 + 0.2, 0.3, 0.3])) == [0.0, 0.0, 0.0]
     assert list(M.leave_one_out([1.0, 0.0, 0.5])) == [0.75, -0.75, 0.0]
+
+
+def test_state_matched_baselines_a_turn_on_the_episodes_sampled_after_exactly_its_token_ids(tok, tmp_path):
+    """Three episodes of one prompt, rolled out by the environment: two look `golf` up and get the same result, so
+    their second turns were sampled after the same token ids; the third looks `alpha` up, then `golf`, then answers.
+    Each turn's baseline: the others in its state (every first turn: they share the prompt), else the others at its
+    turn index (the third's second turn), else the others' returns (its third turn: no other has one)."""
+    env = make_env(tok, tmp_path, "num_generations=3", "advantage_mode=state_matched")
+    answer = f"<reasoning>done</reasoning>\n<answer>{TABLE['golf']}</answer>"
+    script = [tool_call("golf"), tool_call("golf"), tool_call("alpha"), answer, answer, tool_call("golf"), answer]
+    sampler = ScriptedSampler(tok, script)
+    eps = env.rollout([{"prompt": "What is the value of golf?", "answer": TABLE["golf"]}] * 3, sampler)
+    assert (
+        [len(ep.turns) for ep in eps] == [2, 2, 3]
+        and [ep.group for ep in eps] == [0, 0, 0]
+        and len(sampler.prompts) == 7
+    )
+    assert [ep.turns[0].state for ep in eps] == [M.state_key(p) for p in sampler.prompts[:3]], "the sampler's prompt"
+    assert [ep.turns[1].state for ep in eps] == [M.state_key(p) for p in sampler.prompts[3:6]]
+    assert eps[0].turns[1].state == eps[1].turns[1].state != eps[2].turns[1].state
+    turn_R, out = [[1.0, 0.0], [1.0, 0.0], [0.0, 0.0, 0.0]], [1.0, 0.0, 0.0]
+    # to go: [2, 1], [1, 0], [0, 0, 0]; returns 2, 1, 0
+    want = [[2 - (1 + 0) / 2, 1 - 0], [1 - (2 + 0) / 2, 0 - 1], [0 - (2 + 1) / 2, 0 - (1 + 0) / 2, 0 - (2 + 1) / 2]]
+    got = M.ADVANTAGE_MODES["state_matched"](eps, turn_R, out, env.cfg)
+    assert got == want
+    M.assign_advantages(eps, turn_R, out, env.cfg)
+    m = M.episode_metrics(eps)
+    assert m["adv/state_match_turn0"] == 1.0 and m["adv/state_match_turn1"] == 2 / 3 and m["adv/state_match_turn2"] == 0
+    assert m["adv/state_match_rate"] == 5 / 7
+    eps[1].group = 1  # another prompt's episode shares no state
+    assert M.episode_metrics(eps)["adv/state_match_rate"] == 2 / 7
 
 
 def test_tree_advantages_are_node_values_against_their_siblings():
@@ -303,6 +334,8 @@ def expected_gradient(name: str, mode: str, roots: int, b: int, depth: int, scal
         ("leaves", "reward_to_go", 8, 1, 1),
         ("stop", "tree", 2, 2, 1),  # the policy decides when to stop; random search results and outcomes
         ("stop", "reward_to_go", 4, 1, 1),
+        ("leaves", "state_matched", 8, 1, 1),
+        ("stop", "state_matched", 4, 1, 1),
     ],
 )
 def test_the_expected_gradient_through_the_trainer_is_the_exact_gradient(name, mode, roots, b, depth):
@@ -328,6 +361,42 @@ def test_the_per_turn_index_construction_is_biased(monkeypatch):
     monkeypatch.setitem(M.ADVANTAGE_MODES, "per_turn_index", per_turn_index)
     mean, exact = expected_gradient("stop", "per_turn_index", 4, 1, 1)
     assert np.linalg.norm(mean - exact) > 0.2 * np.linalg.norm(exact)
+
+
+def gigpo(episodes, turn_R, outcome_R, cfg):
+    """GiGPO's form (verl-agent): an episode term (here leave-one-out, unbiased alone) plus a step term, the turn's
+    reward-to-go against the others in its exact state, where there are any (else 0)."""
+    returns = [sum(r) + o for r, o in zip(turn_R, outcome_R)]
+    episode_term = M.leave_one_out(returns)
+    to_go = [[sum(r[k:]) + o for k in range(len(ep.turns))] for ep, r, o in zip(episodes, turn_R, outcome_R)]
+    out = []
+    for i, ep in enumerate(episodes):
+        row = []
+        for k, turn in enumerate(ep.turns):
+            same = [
+                to_go[j][t]
+                for j, e in enumerate(episodes)
+                if j != i
+                for t, u in enumerate(e.turns)
+                if u.state == turn.state
+            ]
+            step = to_go[i][k] - np.mean(same) if same else 0.0
+            row.append(float(episode_term[i] + step))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("name, G", [("stop", 4), ("leaves", 8)])
+def test_adding_a_matched_step_term_to_an_episode_term_reweighs_the_states(monkeypatch, name, G):
+    """Why state_matched substitutes its baseline instead of adding two terms: the sum counts a state's gradient
+    twice where it is matched and once where not, so states are weighed by how often they recur (E[g] / g* from 1.6
+    to 2.0 here), where state_matched's E[g] is g* exactly."""
+    monkeypatch.setitem(M.ADVANTAGE_MODES, "gigpo", gigpo)
+    mean, exact = expected_gradient(name, "gigpo", G, 1, 1)
+    ratios = mean / exact
+    assert ratios.max() - ratios.min() > 0.1, ratios
+    mean, exact = expected_gradient(name, "state_matched", G, 1, 1)
+    assert np.abs(mean / exact - 1).max() < 1e-5
 
 
 class Tabular(torch.nn.Module):
