@@ -129,14 +129,16 @@ def run_figures(run_dir: str, wall: dict, hops_n: int, eval_rows: list[dict]) ->
     }
 
 
-def tables(fig: dict, seeds: list[int], methods: list[str]) -> str:
+def tables(fig: dict, seeds: list[int], methods: list[str], labels: dict | None = None) -> str:
+    """The figures' tables, each method under its label (default: METHODS' names)."""
+    labels = labels or {m: METHODS[m][0] for m in methods}
     mean = statistics.mean
     points = sorted(fig[(methods[0], seeds[0])]["completion"])
     out = ["Primary: held-out chain-completion rate (sampled, mean of the evals after step 0), per seed:", ""]
     out += ["| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---" * (len(seeds) + 2) + "|"]
     for m in methods:
         xs = [fig[(m, s)]["primary"] for s in seeds]
-        out.append(f"| {METHODS[m][0]} | " + " | ".join(f"{x:.3f}" for x in xs) + f" | {mean(xs):.3f} |")
+        out.append(f"| {labels[m]} | " + " | ".join(f"{x:.3f}" for x in xs) + f" | {mean(xs):.3f} |")
     out += [
         "",
         "Means over seeds at each eval point (step: completion / greedy exact match / sampled exact match):",
@@ -148,7 +150,7 @@ def tables(fig: dict, seeds: list[int], methods: list[str]) -> str:
         for p in points:
             trio = [mean(fig[(m, s)][k][p] for s in seeds) for k in ("completion", "greedy_exact", "sampled_exact")]
             cells.append(" / ".join(f"{x:.3f}" for x in trio))
-        out.append(f"| {METHODS[m][0]} | " + " | ".join(cells) + " |")
+        out.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
     last = points[-1]
     hops_n = len(fig[(methods[0], seeds[0])]["hop_reach"][last])
     out += ["", f"How far the held-out episodes got (share that took hop k in order; step 0 -> step {last}), cost,", ""]
@@ -160,7 +162,7 @@ def tables(fig: dict, seeds: list[int], methods: list[str]) -> str:
         reach = [r + f"{mean(fig[(m, s)]['hop_reach'][last][k] for s in seeds):.2f}" for k, r in enumerate(reach)]
         cost = [mean(fig[(m, s)][k] for s in seeds) for k in ("sampled_tokens", "trained_tokens")]
         t = [mean(fig[(m, s)]["time"][k] for s in seeds) for k in ("wall", "training", "evaluation", "other")]
-        out.append(f"| {METHODS[m][0]} | " + " | ".join(reach) + f" | {cost[0]:.0f} | {cost[1]:.0f} | ")
+        out.append(f"| {labels[m]} | " + " | ".join(reach) + f" | {cost[0]:.0f} | {cost[1]:.0f} | ")
         out[-1] += " | ".join(f"{x:.0f}" for x in t) + " |"
     return "\n".join(out)
 

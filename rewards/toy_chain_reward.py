@@ -37,11 +37,11 @@ def turn_results(messages):
 
 def hops(messages, chain, lookup=chain_lookup) -> list[float]:
     """1.0 for each assistant message whose lookup took the chain one hop further, else 0.0 (`lookup` gives a key's
-    record: the tool of the task)."""
+    record: the tool of the task; a result that starts with it counts, as tools/hop_lookup_noisy.py's do)."""
     out = []
     depth = 0
     for results in turn_results(messages):
-        ahead = depth < len(chain) and lookup(chain[depth]) in results
+        ahead = depth < len(chain) and any(r.startswith(lookup(chain[depth])) for r in results)
         depth += ahead
         out.append(1.0 if ahead else 0.0)
     return out

@@ -10,7 +10,7 @@ Turn level:
   key first, then the key the last right result named). A stray call (another chain's key, a key looked up again,
   no key) earns 0 and does not move the chain on; the next right lookup still counts.
 - `first_hop_reward` (episode level, the turn reward of MT-GRPO's one split): 1.0 if the first tool result is the
-  start key's record.
+  start key's record (or starts with it: tools/hop_lookup_noisy.py's results add noise after it).
 Outcome: `exact_answer_reward` (the final answer equals the gold colour; the recipe's only weighted outcome).
 Diagnostics, logged with weight 0: `format_reward` (every assistant turn follows the XML protocol), `hops_reward`
 (hops taken in order), `chain_completed_reward` (every hop taken and the right colour: a guess cannot earn it).
@@ -38,7 +38,7 @@ def hop_reward(completions, chain, **_):
 
 def first_hop_reward(completions, chain, **_):
     """Episode level: 1.0 if the first tool result is the start key's record (the first hop was taken)."""
-    return [1.0 if first_result(c) == hop_lookup(k[0]) else 0.0 for c, k in zip(completions, chain)]
+    return [1.0 if (first_result(c) or "").startswith(hop_lookup(k[0])) else 0.0 for c, k in zip(completions, chain)]
 
 
 def hops_reward(completions, chain, **_):

@@ -57,6 +57,16 @@ SMOKE = {
     "code_density.py": [
         (["mt_grpo_trainer.py"], r"^\| mt_grpo_trainer.py, read path \| [\d,]+ \| [\d,]+ \| [\d.]+ \|")
     ],
+    "credit_at_equal_tokens.py": [
+        (
+            ["--seeds 0 --max-steps 1 --eval-every 1 --jobs 1 --methods state tree --out {tmp} --set", TOY, FEW_EVALS],
+            r"^state-matched \(G 12\) > tree \(16 leaves\): \d+ of 1 seeds, p = ",
+        ),
+        (
+            ["--noisy --seeds 0 --max-steps 1 --eval-every 1 --jobs 1 --out {tmp} --set", TOY, FEW_EVALS],
+            r"^state-matched \(G 12\) > MT-GRPO \(G 12\): \d+ of 1 seeds, p = ",
+        ),
+    ],
     "credit_snr.py": [(["--draws 20 --exact 20"], r"^\d+ s wall, \d+ s of CPU$")],
     "gpu_step.py": [  # its CPU smoke mode, on a small shape with the toy's tokenizer
         (

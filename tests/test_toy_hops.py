@@ -95,6 +95,22 @@ def test_a_stray_call_earns_nothing_for_its_turn_and_the_chain_goes_on_after_it(
     assert rewards(wrong, row)["hops_reward"] == 3.0 and rewards(wrong, row)["chain_completed_reward"] == 0.0
 
 
+def test_the_noisy_tool_varies_its_results_and_the_rewards_score_them_as_the_exact_ones():
+    """tools/hop_lookup_noisy.py (the variant where states rarely repeat): the same record, then 1 to 16 dots."""
+    from tools import hop_lookup_noisy
+
+    row = T.make_dataset(1)[0]
+    replies = [hop_lookup_noisy.hop_lookup(row["start"]) for _ in range(64)]
+    assert all(r.startswith(hop_lookup(row["start"]) + " .") for r in replies)
+    assert len(set(replies)) == 16
+    exact = T.demonstration(row, "", random.Random(0), p_call=1.0)[1:]
+    noisy = [dict(m) for m in exact]
+    for m, key in zip(noisy[1::2], row["chain"]):
+        m["content"] = m["content"].replace(hop_lookup(key), hop_lookup_noisy.hop_lookup(key))
+    assert noisy != exact and rewards(noisy, row) == rewards(exact, row)
+    assert M.load_object("tools/hop_lookup_noisy.py:hop_lookup").__name__ == "hop_lookup", "the name the model calls"
+
+
 def test_a_guess_pays_1_time_in_8_and_never_completes_a_chain():
     rng = random.Random(1)
     rows = T.make_dataset(1600, seed=3)
