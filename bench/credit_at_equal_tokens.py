@@ -59,6 +59,13 @@ A pilot, for timing and to see that the noisy variant's results reach the model 
 noisy variant's step-0 held-out completion is 0 (the warm start cannot read the noisy results at all), the noise may
 be changed once, before any comparison run, and said here.
 
+Amended after the pilot, before any comparison run (2026-11-29): from the 4-hop warm start, which never saw a noisy
+result, the noise broke the model: in the pilot's step-0 eval (seed 900, 128 held-out episodes) 37% took the first hop
+and 1.6% the second (the model wrote broken calls after a noisy result), and none completed a chain. So the noisy
+variant gets its own warm start, built exactly as the 4-hop one but on demonstrations whose results carry the same
+noise (`tasks/toy_hops.py:build_model_4hops_noisy`, .cache/toy-hops4-noisy-model). The noise itself is unchanged. The
+pilot is run again on it (seed 900) to check the model reads the noisy results; its numbers do not enter either.
+
 Output: tables, then the planned lines last (`state-matched > MT-GRPO: 7 of 8 seeds, p = ... (Holm), CI [...]`);
 per-seed figures in RUNS_DIR/results.json; runs in bench/runs/credit-at-equal-tokens/{4-hops,4-hops-noisy}-N-steps/.
 """
@@ -83,7 +90,11 @@ METHODS = {
     "tree": ("tree (16 leaves)", TC.METHODS["tree"][1]),
 }
 PLANNED = [("state", "mt_grpo"), ("state", "tree"), ("tree", "mt_grpo"), ("mt_grpo", "grpo_or")]
-NOISY = ["tools=[tools/hop_lookup_noisy.py:hop_lookup]"]
+NOISY = [
+    "tools=[tools/hop_lookup_noisy.py:hop_lookup]",
+    "model_builder=tasks/toy_hops.py:build_model_4hops_noisy",
+    "model_name_or_path=.cache/toy-hops4-noisy-model",
+]
 NOISY_METHODS = ["mt_grpo", "state"]
 NOISY_PLANNED = [("state", "mt_grpo")]
 

@@ -134,10 +134,10 @@ def answer(text: str, why: str) -> dict:
     return {"role": "assistant", "content": f"<reasoning>{why}</reasoning>\n<answer>{text}</answer>"}
 
 
-def demonstration(row, system_prompt, rng, p_call):
+def demonstration(row, system_prompt, rng, p_call, noisy=False):
     """A protocol-correct episode: at each lookup turn, with probability p_call look the chain's next key up (the
     start key, then the key the last result names), else stop and guess a random colour; after the last result,
-    answer its colour."""
+    answer its colour. `noisy`: each result ends as tools/hop_lookup_noisy.py's do (a space and 1 to 16 dots)."""
     msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
     msgs.append({"role": "user", "content": row["prompt"]})
     steps = row["chain"] + [row["answer"]]
@@ -145,7 +145,10 @@ def demonstration(row, system_prompt, rng, p_call):
         if rng.random() >= p_call:
             colour = rng.choice(COLOURS)
             return msgs + [answer(colour, f"A guess: {colour}.")]
-        msgs += [call(key), {"role": "user", "content": f"<result>\n{record(key, following)}\n</result>"}]
+        result = record(key, following)
+        if noisy:
+            result += " " + "." * rng.randint(1, 16)
+        msgs += [call(key), {"role": "user", "content": f"<result>\n{result}\n</result>"}]
     return msgs + [answer(row["answer"], f'The chain ends at "{row["answer"]}".')]
 
 
@@ -158,26 +161,28 @@ def build_tokenizer(corpus, keys):
     return tok
 
 
-def build_model(path: str, system_prompt: str = "", hops: int = 3):
+def build_model(path: str, system_prompt: str = "", hops: int = 3, noisy: bool = False):
     """Create tokenizer + tiny model under `path` (tasks/toy_kv.py's architecture), warm-started on the variant's
-    96 chains; returns a report."""
+    96 chains (`noisy`: with tools/hop_lookup_noisy.py's results); returns a report."""
     t0 = time.time()
     rng = random.Random(WARMSTART["seed"])
     starts = [c[0] for c in CHAINS[hops]]
     rng_rows = random.Random(WARMSTART["seed"] + 1)
     rows = [row(rng_rows.choice(starts), rng_rows.choice(QUESTIONS)) for _ in range(WARMSTART["demonstrations"])]
-    mix = [demonstration(r, system_prompt, rng, WARMSTART["p_call"]) for r in rows]
-    right = [demonstration(r, system_prompt, rng, 1.0) for r in rows]
+    mix = [demonstration(r, system_prompt, rng, WARMSTART["p_call"], noisy) for r in rows]
+    right = [demonstration(r, system_prompt, rng, 1.0, noisy) for r in rows]
     keys = [k for c in CHAINS[hops] for k in c]
     corpus = [f"{m['role']}\n{m['content']}" for d in right[:256] + mix[:256] for m in d] + COLOURS
     tok = build_tokenizer(corpus, keys)
-    return warm_start(path, tok, right, mix, {**WARMSTART, "hops": hops}, rng, "tasks/toy_hops.py", t0)
+    settings = {**WARMSTART, "hops": hops, "noisy": noisy}
+    return warm_start(path, tok, right, mix, settings, rng, "tasks/toy_hops.py", t0)
 
 
 # The longer variant, for recipes: dataset: tasks/toy_hops.py:make_dataset_4hops, and so on.
 make_dataset_4hops = functools.partial(make_dataset, hops=4)
 make_eval_dataset_4hops = functools.partial(make_eval_dataset, hops=4)
 build_model_4hops = functools.partial(build_model, hops=4)
+build_model_4hops_noisy = functools.partial(build_model, hops=4, noisy=True)  # bench/credit_at_equal_tokens.py --noisy
 
 
 def warm_start_rates(path: str, hops: int = 3, n: int = 32) -> dict:
