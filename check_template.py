@@ -4,7 +4,8 @@
     python mt_grpo_trainer.py check-template --chat-template DIR/chat_template.jinja   (DIR's tokenizer)
     python check_template.py --tokenizer ...          (the same)
 
-Its defaults are the trainer's (tool_format, thinking_retention).
+Its defaults are the trainer's (tool_format, thinking_retention). `--eos-token` names the token the model ends a turn
+with where that is not the tokenizer's eos_token (Gemma 3's <end_of_turn>, Phi-3's <|end|>).
 
 For a chat template and a `thinking_retention`, it reports whether extension (I4) holds at each turn
 boundary, how many samples an episode makes, and every invariant violation (I1-I3, I5). It lives
@@ -96,12 +97,17 @@ def check_invariants(ep: M.Episode, seen: list, env: M.MultiTurnToolEnv) -> list
     return bad
 
 
-def check_template(tokenizer, thinking_retention: str = "template", tool_format: str = "native") -> dict:
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def check_template(
+    tokenizer, thinking_retention: str = "template", tool_format: str = "native", system_prompt: str = SYSTEM_PROMPT
+) -> dict:
     """Simulate episodes with and without thinking: tool turns, then a new user turn after the tool
     cycle. Report, per setting, whether extension holds at each boundary, the samples a T-turn episode
-    makes, and any invariant violation."""
+    makes, and any invariant violation. A template that refuses the conversation raises its TemplateError."""
     cfg = M.Config(
-        system_prompt="You are a helpful assistant.",
+        system_prompt=system_prompt,
         tool_format=tool_format,
         max_env_steps=100,
         thinking_retention=thinking_retention,
@@ -116,16 +122,26 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
     for setting, think in (("no_thinking", ""), ("thinking", "<think>\n{}\n</think>\n\n")):
         cfg.chat_template_kwargs = {} if think else {"enable_thinking": False}
         th = (lambda x: think.format(x)) if think else (lambda x: "")
+        queries = ["six times seven", "multiplication", "why 42"]
         script = [
-            ("assistant", th("I should search.") + call("six times seven")),
-            ("assistant", th("Search once more.") + call("multiplication")),
+            ("assistant", th("I should search.") + call(queries[0])),
+            ("assistant", th("Search once more.") + call(queries[1])),
             ("assistant", th("Both agree.") + answer("42")),
             ("user", "Why is that?"),
-            ("assistant", th("Look it up.") + call("why 42")),
+            ("assistant", th("Look it up.") + call(queries[2])),
             ("assistant", th("Now explain.") + answer("Because 6 x 7 = 42.")),
         ]
         ep, seen = simulate_episode(env, script, eos)
         violations = check_invariants(ep, seen, env)
+        rendered = env.chat.render(ep.messages, ep.sampled_texts)
+        results = [_sim_search(q) for q in queries]
+        hidden = sum(r not in rendered for r in results)
+        warnings = []
+        if hidden:
+            warnings.append(
+                f"the chat template leaves {hidden} of the {len(results)} tool results out of the prompt: "
+                "the model never sees them"
+            )
         for b in ep.boundaries:
             if b["realigned"]:
                 b["why"] = (
@@ -145,6 +161,7 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
             "turns": len(seen),
             "boundaries": ep.boundaries,
             "violations": violations,
+            "warnings": warnings,
         }
     st = report["settings"].values()
     report.update(
@@ -152,6 +169,7 @@ def check_template(tokenizer, thinking_retention: str = "template", tool_format:
         samples_per_episode=max(x["samples_per_episode"] for x in st),
         boundaries=[{"setting": k, **b} for k, x in report["settings"].items() for b in x["boundaries"]],
         violations=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["violations"]],
+        warnings=[f"{k}: {v}" for k, x in report["settings"].items() for v in x["warnings"]],
     )
     return report
 
@@ -160,9 +178,11 @@ class CheckError(ValueError):
     """A tokenizer or chat template that cannot be checked: one line, with what to give instead."""
 
 
-def load_tokenizer(name: str | None, template: str | None):
+def load_tokenizer(name: str | None, template: str | None, eos_token: str | None = None):
     """The tokenizer to check, with `template` (a .jinja file) as its chat template. Without `name`, the template's
-    folder, where it holds a tokenizer (a model folder's chat_template.jinja)."""
+    folder, where it holds a tokenizer (a model folder's chat_template.jinja). `eos_token`: the token a turn of the
+    model ends with, made the tokenizer's eos_token (added as a special token where the tokenizer lacks it: a
+    template checked with another family's tokenizer)."""
     from transformers import AutoTokenizer
 
     if template and not os.path.isfile(template):
@@ -196,6 +216,9 @@ def load_tokenizer(name: str | None, template: str | None):
             raise CheckError(f"--chat-template {template}: cannot read it as UTF-8 text ({e})") from None
     if not tok.chat_template:
         raise CheckError(f"{name} has no chat template; pass --chat-template FILE")
+    if eos_token:
+        tok.add_tokens([eos_token], special_tokens=True)  # none added where the tokenizer has it
+        tok.eos_token = eos_token
     return tok
 
 
@@ -210,15 +233,31 @@ def main(argv=None):
     retention, tool_format = M.field_rules()["thinking_retention"], M.field_rules()["tool_format"]
     ap.add_argument("--thinking-retention", default=M.Config.thinking_retention, choices=retention)
     ap.add_argument("--tool-format", default=M.Config.tool_format, choices=tool_format, help="the trainer's default")
+    ap.add_argument(
+        "--eos-token",
+        help="the token a turn of the model ends with, where it is not the tokenizer's eos_token (its generation "
+        "config's: Gemma 3's <end_of_turn>, Phi-3's <|end|>); added as a special token where the tokenizer lacks it",
+    )
+    ap.add_argument("--system-prompt", default=SYSTEM_PROMPT, help="the system message ('' for none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    from jinja2 import TemplateError
+
     try:
-        tok = load_tokenizer(a.tokenizer, a.chat_template)
+        tok = load_tokenizer(a.tokenizer, a.chat_template, a.eos_token)
     except CheckError as e:
         print(f"check-template: error: {e}", file=sys.stderr)
         return 1
     a.tokenizer = a.tokenizer or os.path.dirname(a.chat_template)
-    r = check_template(tok, a.thinking_retention, a.tool_format)
+    try:
+        r = check_template(tok, a.thinking_retention, a.tool_format, a.system_prompt)
+    except TemplateError as e:
+        print(
+            f"check-template: error: the chat template refuses the simulated conversation (thinking_retention="
+            f"{a.thinking_retention}, tool_format={a.tool_format}, as a rollout renders it): {e}",
+            file=sys.stderr,
+        )
+        return 1
     if a.json:
         print(json.dumps(r, indent=2))
     else:
@@ -234,6 +273,8 @@ def main(argv=None):
                     print(f"      turn {b['turn']}: {b['why']}")
             for v in x["violations"]:
                 print(f"      VIOLATION {v}")
+            for w in x["warnings"]:
+                print(f"      WARNING {w}")
         print(
             "  extension holds on every boundary"
             if r["extension_holds"]

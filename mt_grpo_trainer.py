@@ -4164,7 +4164,11 @@ class ChatTemplate:
         template's rendering of only the new messages after a stub of the first message and the last user query.
         Declines (None, so the caller renders in full) at a user query (templates rewrite history there), with
         thinking_retention other than template, after an edited history, and for good once it has differed from the full rendering on one
-        of its first BRIDGE_CHECKS uses, which are compared with it. The episode-end tokenization check is the net."""
+        of its first BRIDGE_CHECKS uses, which are compared with it, or the template has refused its stub (Gemma's
+        roles must alternate: without a system message the stub is two user messages). The episode-end tokenization
+        check is the net."""
+        from jinja2 import TemplateError
+
         cfg = self.cfg
         if (
             self.bridge_checks < 0
@@ -4180,11 +4184,15 @@ class ChatTemplate:
         query = max((i for i in range(last) if self.is_query(ep.messages[i])), default=0)
         stub = [ep.messages[i] for i in sorted({0, query})]
         key = json.dumps([stub, cfg.chat_template_kwargs], sort_keys=True)  # a tool cycle's stub: render it once
-        if key not in self.stubs:
-            kept = self.stubs if len(self.stubs) < 256 else {}
-            self.stubs = {**kept, key: (self.apply(stub), self.apply(stub, add_generation_prompt=True))}
-        base, gen = self.stubs[key]
-        full = self.apply(stub + new, add_generation_prompt=True)
+        try:
+            if key not in self.stubs:
+                kept = self.stubs if len(self.stubs) < 256 else {}
+                self.stubs = {**kept, key: (self.apply(stub), self.apply(stub, add_generation_prompt=True))}
+            base, gen = self.stubs[key]
+            full = self.apply(stub + new, add_generation_prompt=True)
+        except TemplateError:  # the conversation itself may still render: the caller renders it whole
+            self.bridge_checks = -1
+            return None
         start = s.prompt_chars - (len(gen) - len(base))  # where the sampled turn's message begins in the held text
         text = s.text[:start] + self.norm(full[len(base) :]) if gen.startswith(base) and full.startswith(base) else None
         if self.bridge_checks < BRIDGE_CHECKS:

@@ -4,9 +4,11 @@
     from tasks import fixtures; fixtures.path("qwen3_tokenizer")   # a built fixture's path (built when missing)
 
 Where each comes from (every built file is checked against the SHA-256 of the published one):
-- `qwen3_chat_template.jinja`, `qwen2_5_chat_template.jinja`, `llama3_1_chat_template.jinja`: the `trl==1.16.0`
-  wheel, `trl/chat_templates/{qwen3,qwen2_5,llama3_1}.jinja` (the original Qwen3, Qwen2.5 and Llama 3.1 templates;
-  Qwen3's is byte-identical to the `chat_template` of Qwen/Qwen3-0.6B).
+- `NAME_chat_template.jinja` for each NAME in TEMPLATES: the `trl==1.16.0` wheel's `trl/chat_templates/NAME.jinja`,
+  the original templates of Qwen3, Qwen3-Instruct-2507, Qwen2.5, Llama 3.1, Llama 3.2, Gemma (1 and 2), Gemma 3,
+  Phi-3, Phi-3.5, GLM-4.5, gpt-oss, Cohere (Aya Expanse) and Cohere2, as trl keeps them to recognise a model (its
+  `chat_templates/README.md`); Qwen3's is byte-identical to the `chat_template` of Qwen/Qwen3-0.6B. Each SHA-256
+  below is the one the wheel's RECORD publishes for that file.
 - `qwen3_tokenizer/` (`tokenizer.json`, `tokenizer_config.json`): rebuilt from `qwen.tiktoken` in the
   `dashscope==2.0.2` wheel (`dashscope/resources/qwen.tiktoken`, Qwen's byte-level BPE ranks), with Qwen3's added
   tokens and chat template; byte-identical to Qwen/Qwen3-0.6B's two files.
@@ -41,13 +43,33 @@ TRL = ("trl", "1.16.0")
 DASHSCOPE = ("dashscope", "2.0.2")
 TEMPLATES = {  # fixture -> its file in the trl wheel
     "qwen3_chat_template.jinja": "trl/chat_templates/qwen3.jinja",
+    "qwen3_instruct_2507_chat_template.jinja": "trl/chat_templates/qwen3_instruct_2507.jinja",
     "qwen2_5_chat_template.jinja": "trl/chat_templates/qwen2_5.jinja",
     "llama3_1_chat_template.jinja": "trl/chat_templates/llama3_1.jinja",
+    "llama3_2_chat_template.jinja": "trl/chat_templates/llama3_2.jinja",
+    "gemma_chat_template.jinja": "trl/chat_templates/gemma.jinja",
+    "gemma3_chat_template.jinja": "trl/chat_templates/gemma3.jinja",
+    "phi3_chat_template.jinja": "trl/chat_templates/phi3.jinja",
+    "phi3_5_chat_template.jinja": "trl/chat_templates/phi3_5.jinja",
+    "glm4moe_chat_template.jinja": "trl/chat_templates/glm4moe.jinja",
+    "gptoss_chat_template.jinja": "trl/chat_templates/gptoss.jinja",
+    "cohere_chat_template.jinja": "trl/chat_templates/cohere.jinja",
+    "cohere2_chat_template.jinja": "trl/chat_templates/cohere2.jinja",
 }
 SHA256 = {  # of the published files these are built to equal
     "qwen3_chat_template.jinja": "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
+    "qwen3_instruct_2507_chat_template.jinja": "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326",
     "qwen2_5_chat_template.jinja": "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
     "llama3_1_chat_template.jinja": "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
+    "llama3_2_chat_template.jinja": "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4",
+    "gemma_chat_template.jinja": "ecd6ae513fe103f0eb62e8ab5bfa8d0fe45c1074fa398b089c93a7e70c15cfd6",
+    "gemma3_chat_template.jinja": "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4",
+    "phi3_chat_template.jinja": "dcaee66df77bfbb789ec541fe713218da30225a526f1db97138fc39ee6dc56aa",
+    "phi3_5_chat_template.jinja": "78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90",
+    "glm4moe_chat_template.jinja": "44f815868bf02fa458dd2f741a338046f4bf45f398eb6d067766726b9d96cce3",
+    "gptoss_chat_template.jinja": "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
+    "cohere_chat_template.jinja": "90c33aee14aa2a226127516d48ee9184c9b90745d4a04c484621ec2e82fb712c",
+    "cohere2_chat_template.jinja": "2147c474f41b522b7296f74692b9f31e45f49a31465960576a9d321339c5915a",
     "smollm2_chat_template.jinja": "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
     "qwen3_tokenizer/tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
     "qwen3_tokenizer/tokenizer_config.json": "d5d09f07b48c3086c508b30d1c9114bd1189145b74e982a265350c923acd8101",
@@ -250,11 +272,13 @@ def build(out_dir: str) -> dict:
 
 
 def built(out_dir: str) -> bool:
+    """Whether `out_dir` holds every fixture of this pin (a build of more fixtures, another branch's, is reused)."""
     try:
         with open(os.path.join(out_dir, "build_report.json")) as f:
-            return json.load(f)["sha256"] == SHA256
+            report = json.load(f)["sha256"]
     except (OSError, ValueError, KeyError):
         return False
+    return all(report.get(name) == want for name, want in SHA256.items())
 
 
 def ensure(out_dir: str = DIR) -> str:

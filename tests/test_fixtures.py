@@ -32,7 +32,7 @@ def test_a_build_whose_file_is_not_the_published_one_leaves_nothing_behind(tmp_p
 
 
 def test_an_unknown_fixture_names_the_ones_there_are():
-    with pytest.raises(KeyError, match="no fixture named 'qwen4'; the fixtures are: llama3_1_chat_template.jinja"):
+    with pytest.raises(KeyError, match="no fixture named 'qwen4'; the fixtures are: cohere2_chat_template.jinja, "):
         F.path("qwen4")
 
 
@@ -49,3 +49,16 @@ def test_nothing_in_the_repository_reads_beside_it():
                 if beside.encode() in f.read():
                     found.append(os.path.relpath(path, ROOT))
     assert not found, f"these files name {beside}, which a clone does not have: {found}"
+
+
+def test_a_folder_built_with_more_fixtures_is_reused_and_one_with_fewer_is_not(tmp_path):
+    """Another branch's pin may add fixtures to the machine's one folder: its build serves this pin as it is."""
+    import json
+
+    def report(sha256):
+        (tmp_path / "build_report.json").write_text(json.dumps({"sha256": sha256}))
+        return F.built(str(tmp_path))
+
+    assert report({**F.SHA256, "later_chat_template.jinja": "0" * 64})
+    assert not report({name: want for name, want in F.SHA256.items() if name != "gemma3_chat_template.jinja"})
+    assert not report({**F.SHA256, "gemma3_chat_template.jinja": "0" * 64})
