@@ -1431,7 +1431,8 @@ def main(argv=None):
         except BrokenPipeError:  # `--help | head` stopped reading: it has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises it again
             return None
-    if argv[0] in ("check-template", "merge-lora", "plot"):  # tools around training live beside this file, off its path
+    # tools around training live beside this file, off its path
+    if argv[0] in ("check-template", "merge-lora", "plot", "show"):
         tool = load_object(f"{argv[0].replace('-', '_')}.py:main", argv[0])
         sys.exit(tool(argv[1:]))
     eval_only = argv[0] == "eval"
@@ -2369,7 +2370,14 @@ def summarize(cfg: Config, history: list[dict]):
             files += ", " + os.path.basename(plot([cfg.output_dir], os.path.join(cfg.output_dir, "curves.png")))
         except Exception as e:  # a picture is never worth a failed run
             print(f"[mt-grpo] warning: curves.png not drawn: {type(e).__name__}: {e}")
+    report = ""  # the curves, the eval table and a few episodes token by token, on one page (show.py)
+    try:
+        report = load_object(os.path.join(HERE, "show.py:write_report"), "show")(cfg.output_dir)
+    except Exception as e:
+        print(f"[mt-grpo] warning: report.html not written: {type(e).__name__}: {e}")
     print(f"[mt-grpo] run files in {cfg.output_dir}: {files}")
+    if report:
+        print(f"[mt-grpo] open {report}: the curves, evaluations, and episodes shaded by advantage (run.sh show)")
 
 
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========
@@ -3722,7 +3730,7 @@ def read_yaml(stream, where: str):
         raise ConfigError(f"{where}{at}: not valid YAML: {problem}; fix it there ({fix})") from None
 
 
-COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "help")  # and run.sh's own: serve, test
+COMMANDS = ("train", "eval", "check-template", "merge-lora", "plot", "show", "help")  # and run.sh's own: serve, test
 PLUGIN_KEYS = {
     "reward": "outcome_reward_funcs",
     "eval": "eval_dataset",
@@ -3781,7 +3789,8 @@ def print_help():
         "       python mt_grpo_trainer.py eval RECIPE.yaml [key=value ...]   (on eval_dataset, at eval_temperature)\n"
         "       python mt_grpo_trainer.py check-template --tokenizer DIR_OR_HUB_ID [--json] ...\n"
         "       python mt_grpo_trainer.py merge-lora CHECKPOINT OUT_DIR   (a LoRA checkpoint as one HF model)\n"
-        "       python mt_grpo_trainer.py plot RUN_DIR [RUN_DIR ...] [--out FILE]   (curves; several runs on one)\n\n"
+        "       python mt_grpo_trainer.py plot RUN_DIR [RUN_DIR ...] [--out FILE]   (curves; several runs on one)\n"
+        "       python mt_grpo_trainer.py show RUN_DIR [--step N] [--worst|--best] [--html]   (episodes, turn by turn)\n\n"
         "recipe keys:"
     )
     for name, default in dataclasses.asdict(Config()).items():

@@ -8,6 +8,7 @@
 #   bash run.sh test [pytest args]       set up (the vLLM CPU build, the test fixtures), then run the test suite (CI)
 #   bash run.sh merge-lora CKPT OUT_DIR  a LoRA checkpoint merged into its base model, as one HF model folder
 #   bash run.sh plot RUN_DIR [RUN_DIR ...] [--out FILE]   the runs' curves on one picture (ablations)
+#   bash run.sh show RUN_DIR [--step N] [--worst|--best] [--html]   a run's episodes, turn by turn (report.html)
 # Paths (the recipe, output_dir, plug-ins) are relative to the folder run.sh is started from; a recipe or plug-in
 # that is not there is taken from this repository.
 # Layouts (MTGRPO_LAYOUT):
@@ -99,7 +100,7 @@ case "${1:-}" in
   "")   echo "[run.sh] training the embedded default ($DEFAULT_RECIPE), 100 steps. README's measured outcome" \
              "reward, median [range] over seeds 0-5: step 1 0.188 [0.141, 0.297], steps 91-100 0.887 [0.855, 0.894]; this run prints its own at its end"
         exec "$PY" "$TRAINER" "$DEFAULT_RECIPE" ;;
-  -*|help|check-template|merge-lora|plot) exec "$PY" "$TRAINER" "$@" ;;
+  -*|help|check-template|merge-lora|plot|show) exec "$PY" "$TRAINER" "$@" ;;
 esac
 
 # --- training (or `eval`uating, or only `serve`ing) a recipe: which layout?

@@ -33,6 +33,7 @@ FEATURE_TOKENS = {
     "attention sinks (gpt_oss) on the CPU, in packed rows and plain calls: one more key per head, scored by its sink (issue 46)": 342,
     "a state-matched baseline (advantage_mode state_matched), each turn's state a digest of its prompt, adv/state_match_* (issue 48)": 537,
     "the bridge steps aside for a template that refuses its stub (Gemma without a system message; issue 46)": 17,
+    "`show` beside plot, and report.html written at a run's end, named by the summary's last line (issue 45)": 48,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
