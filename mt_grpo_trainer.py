@@ -425,6 +425,7 @@ class Episode:
     tool_output_replaced: int = 0  # characters of tool output the tokenizer could not take
     first_result_turn: int | None = None  # first assistant turn after a tool result
     forks: int = 0
+    forks_harness_edit: int = 0  # of its forks, those after an agent harness edited its history (the rest: template)
     realigns: int = 0  # boundaries where REALIGN kept one sample (next_prompt)
     realigned_tokens: int = 0  # sampled tokens REALIGN turned into context (mask 0)
     rewards: dict[str, float] = field(default_factory=dict)
@@ -443,7 +444,13 @@ class Episode:
     thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
     rewritten: bool = False  # an agent harness edited the messages before this turn: render them in full
-    UNDONE = ("forks", "realigns", "realigned_tokens", "thinking_tokens_kept")  # counts a prompt that is undone raises
+    UNDONE = (
+        "forks",
+        "forks_harness_edit",
+        "realigns",
+        "realigned_tokens",
+        "thinking_tokens_kept",
+    )  # counts a prompt that is undone raises
 
     @property
     def completion(self) -> list[dict]:
@@ -1037,6 +1044,8 @@ class MultiTurnToolEnv:
                 s.truncate(*realign)
             elif not extends:  # a fork: this sample closes
                 ep.forks += 1
+                if ep.rewritten:  # the harness changed what it was sent; else the template re-rendered what was sampled
+                    ep.forks_harness_edit += 1
                 s = None
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
         if s is None:  # the episode's first prompt, or a fork
@@ -2184,6 +2193,8 @@ def rollout_metrics(eps: list[Episode]) -> dict:
         "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
         "rollout/samples_per_episode": len(samples) / n,
         "rollout/forks": sum(e.forks for e in eps) / n,
+        "rollout/forks_harness_edit": sum(e.forks_harness_edit for e in eps) / n,
+        "rollout/forks_template": sum(e.forks - e.forks_harness_edit for e in eps) / n,
         "rollout/realigns": sum(e.realigns for e in eps) / n,
         "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
         "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
@@ -2255,7 +2266,8 @@ NO_SPREAD = (
     "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
     "does; docs/your-task.md), or a reward with partial credit (e.g. a turn reward for a call that runs)."
 )
-RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
+RECORDED = "messages end_reason tool_calls tool_errors forks forks_harness_edit realigns boundaries".split()
+RECORDED += ["tokenization_mismatches"]
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
 

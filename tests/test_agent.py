@@ -464,6 +464,40 @@ def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_
     assert trained_turns(ep) == sampler.turns
     assert tok.decode(ep.samples[1].input_ids).startswith("<|im_start|>system\nturn 1")
     assert env.stats()["agent/history_edits"] == 1
+    metrics = M.rollout_metrics([ep])
+    assert (metrics["rollout/forks_harness_edit"], metrics["rollout/forks_template"]) == (1, 0), "the harness's doing"
+
+
+@pytest.mark.parametrize("retention", ["template", "tool_cycle"])
+def test_a_tool_call_the_template_re_renders_in_other_spacing_forks_as_the_templates_doing(qwen3, tmp_path, retention):
+    """The policy writes compact JSON; Qwen3's template renders the call back with its own spacing. The harness sends
+    the reply back unchanged, so the fork is the template's, not an edit; `tool_cycle` keeps the sampled text in the
+    tool cycle, verbatim, and the sample extends."""
+    compact = json.dumps({"name": "lookup", "arguments": {"key": "golf"}}, separators=(",", ":"))
+
+    def reply(text):
+        return f"<tool_call>\n{compact}\n</tool_call>" if "<tool_response>" not in text else "<answer>1</answer>"
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            message = client(base_url).chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+            message = message.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))  # sent back as it came
+            if not message.tool_calls:
+                return message.content
+            messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "1"})
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native", f"thinking_retention={retention}")
+    sampler = ByPrompt(qwen3, reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tokenization_mismatches == 0
+    assert "agent/history_edits" not in env.stats()
+    assert trained_turns(ep) == sampler.turns
+    metrics = M.rollout_metrics([ep])
+    forks = {"template": 1, "tool_cycle": 0}[retention]
+    assert (metrics["rollout/forks_harness_edit"], metrics["rollout/forks_template"]) == (0, forks)
+    assert ep.forks == forks and len(ep.samples) == 1 + forks
 
 
 def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overrides_are_counted(tok, tmp_path):

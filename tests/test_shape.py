@@ -32,6 +32,7 @@ FEATURE_TOKENS = {
     "sliding windows in the trie mask, in depth positions, on the CPU and in FlexAttention's block masks: 30 families pack (issue 46)": 278,
     "attention sinks (gpt_oss) on the CPU, in packed rows and plain calls: one more key per head, scored by its sink (issue 46)": 342,
     "a state-matched baseline (advantage_mode state_matched), each turn's state a digest of its prompt, adv/state_match_* (issue 48)": 537,
+    "forks by cause: rollout/forks_harness_edit and rollout/forks_template (issue 47)": 57,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
