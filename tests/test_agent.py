@@ -8,7 +8,9 @@ import json
 import re
 import os
 import shutil
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -661,6 +663,14 @@ def test_a_recipe_with_an_agent_is_checked_at_load(tmp_path):
     cfg = recipe_cfg(tmp_path, f"agent={TOY_AGENT}", "tools=[]")
     with pytest.raises(M.ConfigError, match="async def"):
         M.check_agent(cfg, agent)
+    command = ["tools=[]", "agent_command=python tests/cmd_agent.py"]
+    with pytest.raises(M.ConfigError, match="agent and agent_command are both set"):
+        M.check_agent(recipe_cfg(tmp_path, f"agent={TOY_AGENT}", *command), None)
+    with pytest.raises(M.ConfigError, match="unset agent_processes"):
+        M.check_agent(recipe_cfg(tmp_path, *command, "agent_processes=2"), None)
+    with pytest.raises(M.ConfigError, match="'no-such-agent' is not a program found on PATH"):
+        M.check_agent(recipe_cfg(tmp_path, "tools=[]", "agent_command=no-such-agent --flag"), None)
+    M.check_agent(recipe_cfg(tmp_path, "tools=[]", f"agent_command={CMD_AGENT}"), None)
 
 
 def test_the_harness_recipe_trains_through_the_endpoint(tmp_path, tiny_model_dir):
@@ -776,6 +786,25 @@ def test_a_harness_that_keeps_its_client_open_leaves_no_thread_behind_and_its_ow
     assert evaluated[0].row["agent_result"] == "TimeoutError: the harness's own deadline"
 
 
+class RightInEveryOtherEpisode(ByPrompt):
+    """A group's episodes have consecutive sessions: one of each two answers wrong after its tool result (`result`
+    in the prompt), so a group's rewards differ and its advantages are not zero."""
+
+    def __init__(self, tok, reply, result: str, end: int):
+        super().__init__(tok, reply, end)
+        self.right = reply
+        self.result = result
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+        outs = []
+        for prompt, session in zip(prompts, sessions):
+            self.reply = self.right
+            if session % 2:
+                self.reply = lambda text: "<answer>wrong</answer>" if self.result in text else self.right(text)
+            outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
+        return outs
+
+
 def kv_native_reply(text):
     """The toy's protocol in native calls: look the key the question names up, then answer with the result."""
     if "<tool_response>" not in text:
@@ -812,22 +841,10 @@ def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkey
     shutil.copytree(tiny_model_dir, model_dir)
     shutil.copy(os.path.join(FIX, "qwen3_chat_template.jinja"), model_dir / "chat_template.jinja")
 
-    class RightInEveryOtherEpisode(ByPrompt):
-        """A group's episodes have consecutive sessions: one of each two answers wrong."""
-
-        def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
-            outs = []
-            for prompt, session in zip(prompts, sessions):
-                self.reply = kv_native_reply
-                if session % 2:
-                    self.reply = lambda text: (
-                        "<answer>wrong</answer>" if "<tool_response>" in text else kv_native_reply(text)
-                    )
-                outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
-            return outs
-
     def sampler(model, tok):
-        return RightInEveryOtherEpisode(tok, kv_native_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+        return RightInEveryOtherEpisode(
+            tok, kv_native_reply, "<tool_response>", tok.convert_tokens_to_ids("<|im_end|>")
+        )
 
     monkeypatch.setattr(M, "LocalSampler", sampler)
     recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
@@ -843,3 +860,118 @@ def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkey
         episodes = [json.loads(line) for line in f]
     assert len(episodes) == 8 and {e["end_reason"] for e in episodes} == {"answer"}
     assert all(e["messages"][-1]["content"].startswith("<answer>") for e in episodes)
+
+
+CMD_AGENT = f"{sys.executable} tests/cmd_agent.py"
+
+
+def alive(pid: int) -> bool:
+    """Running: a process that exists and is not a zombie (one killed is reaped by whoever adopted it, or not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture()
+def pidfiles(tmp_path):
+    """Where the harnesses write the pids of what they start; whatever of it still runs after the test is ended."""
+    yield lambda key: str(tmp_path / f"{key}.pids")
+    for path in tmp_path.glob("*.pids"):
+        for pid in map(int, path.read_text().split()):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def started(path: str) -> list[int]:
+    M_until = __import__("conftest").until
+    M_until(lambda: os.path.exists(path) and len(open(path).read().split()) == 2, f"the harness to write {path}")
+    return [int(pid) for pid in open(path).read().split()]
+
+
+def test_a_command_harness_hangs_fails_and_leaves_processes_as_counted_outcomes_and_ends_with_its_group(
+    tok, tmp_path, pidfiles
+):
+    """agent_command: a process per episode, the plain openai client on OPENAI_BASE_URL. A hang (agent_timeout) and a
+    non-zero exit are counted faults; what a hung or a finished harness left running ends with its process group."""
+    env = agent_env(tok, tmp_path, None, "agent=", f"agent_command={CMD_AGENT}", "agent_timeout=20")
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    keys = ["golf", "kilo", "alpha", "mike"]  # each row a key of its own, and a fault by its tag
+    batch = [{**row, "key": tag, "pidfile": pidfiles(tag)} for row, tag in zip(rows(keys), ROW_KEYS)]
+    eps = env.rollout(batch, sampler)
+    assert [ep.row["key"] for ep in eps] == ["golf", "leaves"], "the faults are left out"
+    assert [ep.end_reason for ep in eps] == ["answer", "answer"] and [len(ep.turns) for ep in eps] == [2, 2]
+    for ep, k in zip(eps, ["golf", "mike"]):
+        assert ep.row["agent_result"] == f"<reasoning>found</reasoning>\n<answer>{TABLE[k]}</answer>"
+        assert trained_turns(ep) == [t for t in sampler.turns if t in trained_turns(ep)] and len(trained_turns(ep)) == 2
+    assert env.stats() == {"agent/agent_errors": 1, "agent/agent_timeouts": 1}
+    for key in ("hangs", "leaves"):  # the harness and the process it started
+        for pid in started(pidfiles(key)):
+            __import__("conftest").until(lambda: not alive(pid), f"{key}'s process {pid} to be ended")
+    evaluated = env.rollout(batch[2:3], sampler, eval_temperature=0.0)
+    assert evaluated[0].end_reason == "agent_error"
+    assert evaluated[0].row["agent_result"] == (
+        f"agent_command `{CMD_AGENT}` exited with status 3: the command's own failure"
+    )
+
+
+ROW_KEYS = ["golf", "hangs", "fails", "leaves"]
+
+
+def test_harness_functions_in_worker_processes_answer_as_in_threads_and_a_hung_one_ends_its_worker(
+    tok, tmp_path, pidfiles
+):
+    """agent_processes: the harness runs in worker processes, not the trainer's; its result travels back as JSON,
+    its error as its own; a hung harness's worker ends with its group after the rollout, and a new one serves the next."""
+    spec = "tests/cmd_agent.py:agent"
+    env = agent_env(tok, tmp_path, None, f"agent={spec}", "agent_processes=2", "agent_timeout=20")
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    try:
+        batch = [{**row, "say_pid": True} for row in rows(["golf", "kilo"])]
+        batch += [{"prompt": "q", "key": "raises"}, {"prompt": "q", "key": "hangs", "pidfile": pidfiles("hangs")}]
+        eps = env.rollout(batch, sampler)
+        workers = {w.proc.pid for w in env.workers.workers}
+        assert len(workers) == 2 and os.getpid() not in workers
+        assert [ep.row["key"] for ep in eps] == ["golf", "kilo"] and [ep.end_reason for ep in eps] == ["answer"] * 2
+        for ep in eps:
+            assert (
+                ep.row["agent_result"]["answer"]
+                == f"<reasoning>found</reasoning>\n<answer>{TABLE[ep.row['key']]}</answer>"
+            )
+            assert ep.row["agent_result"]["pid"] in workers
+        assert env.stats() == {"agent/agent_errors": 1, "agent/agent_timeouts": 1}
+        evaluated = env.rollout(batch[2:3], sampler, eval_temperature=0.0)
+        assert evaluated[0].row["agent_result"] == "ValueError: the harness's own bug"
+        hung_worker, child = started(pidfiles("hangs"))
+        assert hung_worker in workers
+        for pid in (hung_worker, child):
+            __import__("conftest").until(lambda: not alive(pid), f"the hung harness's process {pid} to be ended")
+        [ep] = env.rollout(rows(["mike"]), sampler)
+        assert ep.end_reason == "answer" and len(env.workers.workers) == 2, "a new worker beside the one left"
+        assert hung_worker not in {w.proc.pid for w in env.workers.workers}
+    finally:
+        env.close()
+    for w in env.workers.workers:
+        __import__("conftest").until(lambda: not alive(w.proc.pid), "the workers to end with the environment")
+
+
+def test_a_command_harness_trains_a_step(tmp_path, tiny_model_dir, monkeypatch):
+    """The toy recipe with agent_command (tests/cmd_agent.py, the plain openai client on OPENAI_BASE_URL) in place of
+    the function: a step in-process, against a scripted sampler that answers right in one episode of each two."""
+
+    def sampler(model, tok):
+        return RightInEveryOtherEpisode(tok, toy_reply, "<result>", tok.convert_tokens_to_ids("<|im_end|>"))
+
+    monkeypatch.setattr(M, "LocalSampler", sampler)
+    recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
+    overrides = ["agent=", f"agent_command={CMD_AGENT}", f"model_name_or_path={tiny_model_dir}", "model_builder="]
+    overrides += [f"output_dir={tmp_path}/run", "max_steps=1", "eval_steps=0", "prompts_per_step=2"]
+    overrides += ["num_generations=2", "log_episodes_steps=1"]
+    [m] = M.train(M.load_config(recipe, overrides))
+    assert m["rollout/tool_calls"] == 1 and m["reward/outcome"] == 0.5 and m["loss/grad_norm"] > 0, m
+    assert "agent/agent_errors" not in m
+    with open(f"{tmp_path}/run/episodes.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == 4 and {e["end_reason"] for e in episodes} == {"answer"}
+    assert {e["messages"][-1]["content"].split("<answer>")[1] for e in episodes} > {"wrong</answer>"}

@@ -33,6 +33,7 @@ FEATURE_TOKENS = {
     "attention sinks (gpt_oss) on the CPU, in packed rows and plain calls: one more key per head, scored by its sink (issue 46)": 342,
     "a state-matched baseline (advantage_mode state_matched), each turn's state a digest of its prompt, adv/state_match_* (issue 48)": 537,
     "forks by cause: rollout/forks_harness_edit and rollout/forks_template (issue 47)": 57,
+    "harnesses out of the trainer's process: agent_processes (worker processes), agent_command (a process per episode), each ended with its process group (issue 47)": 1_391,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
