@@ -832,6 +832,49 @@ def test_the_openai_agents_sdk_on_its_defaults_runs_episodes_through_the_respons
     assert "agent/history_edits" not in env.stats()
 
 
+def test_the_openai_agents_sdk_streamed_run_makes_the_same_episodes(qwen3, tmp_path):
+    """`Runner.run_streamed`: the SDK's Responses API model with `stream: true`. Its events are the endpoint's
+    (the Responses API's stream, parsed by the SDK into its run items), and the episodes are the unstreamed run's,
+    token for token."""
+    import asyncio
+
+    from agents import RunConfig, Runner
+    from agents.models.openai_provider import OpenAIProvider
+
+    from tasks.toy_kv_agents_sdk import AGENT
+    from tasks.toy_kv_agents_sdk import agent as unstreamed
+
+    events = {}
+
+    async def run(row, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            provider = OpenAIProvider(openai_client=client)
+            config = RunConfig(model="policy", model_provider=provider, tracing_disabled=True)
+            result = Runner.run_streamed(AGENT, row["prompt"], run_config=config)
+            async for event in result.stream_events():
+                kind = getattr(event, "data", None) or getattr(event, "item", None) or event
+                events.setdefault(row["key"], []).append(getattr(kind, "type", event.type))
+        return result.final_output
+
+    keys = ["golf", "kilo"]
+    episodes = {}
+    for name, agent in (("streamed", lambda row, url: asyncio.run(run(row, url))), ("whole", unstreamed)):
+        env = agent_env(qwen3, tmp_path, agent, "tool_format=native", "system_prompt=")
+        sampler = ByPrompt(qwen3, kv_native_reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        episodes[name] = env.rollout(rows(keys), sampler)
+        assert "agent/history_edits" not in env.stats()
+    for ep, k in zip(episodes["streamed"], keys):
+        assert ep.row["agent_result"] == f"<answer>{TABLE[k]}</answer>", ep.row["agent_result"]
+        assert ep.end_reason == "answer" and ep.tool_calls == 1 and len(ep.turns) == 2 and ep.forks == 0
+        stream = events[k]
+        for kind in ("response.function_call_arguments.delta", "tool_call_item", "tool_call_output_item"):
+            assert kind in stream, (kind, stream)
+        assert stream.count("response.completed") == 2 and "response.output_text.delta" in stream
+    for streamed, whole in zip(episodes["streamed"], episodes["whole"]):
+        assert [s.input_ids for s in streamed.samples] == [s.input_ids for s in whole.samples]
+        assert [s.loss_mask for s in streamed.samples] == [s.loss_mask for s in whole.samples]
+
+
 def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkeypatch):
     """Two steps of the toy task run by the Agents SDK, in-process: a random model with the Qwen3 chat template (native
     tools), a scripted sampler that answers right in one episode of each group (so its advantages are not zero)."""
