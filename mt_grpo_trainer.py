@@ -80,10 +80,13 @@ import os
 import queue
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -128,6 +131,12 @@ class Config:
     agent: str = ""
     """An agent harness `file.py:fn` instead of `tools`: `fn(row, base_url)` runs its own loop against an
     OpenAI-compatible endpoint per episode, each request one turn (docs/agents.md)."""
+    agent_processes: Annotated[int, ">= 0"] = 0
+    """With `agent`: 0 runs each episode's harness in a thread of the trainer; N runs them in N worker processes (the
+    episodes of one in threads of it), so the harness's Python does not take the trainer's interpreter lock."""
+    agent_command: str = ""
+    """An agent harness as a command line instead of `agent` (an agent CLI, a harness in any language): a process per
+    episode, the row as JSON on its stdin, its base_url as OPENAI_BASE_URL; what it prints is agent_result."""
     agent_timeout: Annotated[float, "> 0"] = 600.0
     """Seconds a rollout waits for its harnesses; one still running then ends its episode `agent_timeout`."""
     turn_reward_funcs: list[str] = field(default_factory=lambda: ["rewards/toy_kv_reward.py:lookup_hit_reward"])
@@ -425,6 +434,7 @@ class Episode:
     tool_output_replaced: int = 0  # characters of tool output the tokenizer could not take
     first_result_turn: int | None = None  # first assistant turn after a tool result
     forks: int = 0
+    forks_harness_edit: int = 0  # of its forks, those after an agent harness edited its history (the rest: template)
     realigns: int = 0  # boundaries where REALIGN kept one sample (next_prompt)
     realigned_tokens: int = 0  # sampled tokens REALIGN turned into context (mask 0)
     rewards: dict[str, float] = field(default_factory=dict)
@@ -443,7 +453,13 @@ class Episode:
     thinking_tokens_kept: int = 0  # <think> tokens in the prompts the sampler saw
     tokenization_mismatches: int = 0
     rewritten: bool = False  # an agent harness edited the messages before this turn: render them in full
-    UNDONE = ("forks", "realigns", "realigned_tokens", "thinking_tokens_kept")  # counts a prompt that is undone raises
+    UNDONE = (
+        "forks",
+        "forks_harness_edit",
+        "realigns",
+        "realigned_tokens",
+        "thinking_tokens_kept",
+    )  # counts a prompt that is undone raises
 
     @property
     def completion(self) -> list[dict]:
@@ -1037,6 +1053,8 @@ class MultiTurnToolEnv:
                 s.truncate(*realign)
             elif not extends:  # a fork: this sample closes
                 ep.forks += 1
+                if ep.rewritten:  # the harness changed what it was sent; else the template re-rendered what was sampled
+                    ep.forks_harness_edit += 1
                 s = None
             ep.boundaries.append({"turn": len(ep.turns), "kind": boundary, "extends": extends, "realigned": gone})
         if s is None:  # the episode's first prompt, or a fork
@@ -1512,7 +1530,7 @@ class Run:
     stop_event: threading.Event = field(default_factory=threading.Event)  # SIGTERM or a first Ctrl-C sets it
     stop_signal: str = ""  # the name of the signal that set it
     tools: list[typing.Callable] = field(default_factory=list)
-    agent: typing.Callable | None = None  # an agent harness (cfg.agent), which runs its own tools
+    agent: typing.Callable | None = None  # an agent harness (cfg.agent), which runs its own tools; None for a command
     turn_fns: list[typing.Callable] = field(default_factory=list)  # turn-level reward functions
     outcome_fns: list[typing.Callable] = field(default_factory=list)  # outcome-level reward functions
     turn_w: list[float] = field(default_factory=list)  # the weights of turn_fns
@@ -1728,6 +1746,8 @@ class Run:
             if self.is_main:
                 summarize(self.cfg, history)
         self.sampler.close()
+        if isinstance(self.env, AgentEnv):
+            self.env.close()  # its harnesses' worker processes
         self.release()
         if dist.is_initialized():
             dist.barrier()  # tearing gloo down while a peer still uses it can abort that peer ("terminate called ...")
@@ -1780,7 +1800,7 @@ def prepare_run(run: Run, eval_only: bool) -> Run:
         run.saved[run.start] = ckpt
         run.say(f"[mt-grpo] resumed from {ckpt} at step {run.start}")
     run.env = MultiTurnToolEnv(run.tokenizer, run.tools, cfg)
-    if run.agent:
+    if cfg.agent or cfg.agent_command:
         run.env = AgentEnv(run.tokenizer, run.agent, cfg)
     run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
     run.sampler = (
@@ -1821,6 +1841,7 @@ def load_plugins(run: Run, eval_only: bool):
     run.tools = [load_object(s, "tool") for s in cfg.tools]
     if cfg.agent:
         run.agent = load_object(cfg.agent, "agent")
+    if cfg.agent or cfg.agent_command:
         check_agent(cfg, run.agent)
     run.turn_fns = [load_object(s, "turn reward function") for s in cfg.turn_reward_funcs]
     run.outcome_fns = [load_object(s, "outcome reward function") for s in cfg.outcome_reward_funcs]
@@ -1874,10 +1895,29 @@ def check_plain_function(spec: str, fn, what: str):
 
 
 def check_agent(cfg: Config, agent):
-    """An agent harness runs its own tools, one path per episode."""
-    check_plain_function(cfg.agent, agent, "agent")
+    """An agent harness runs its own tools, one path per episode: a function (`agent`) or a command (`agent_command`)."""
+    if cfg.agent and cfg.agent_command:
+        raise ConfigError("agent and agent_command are both set: a recipe names one harness; unset one")
     if cfg.tools:
-        raise ConfigError(f"agent '{cfg.agent}' runs its own tools: set tools: [] (it has {cfg.tools})")
+        raise ConfigError(
+            f"agent '{cfg.agent or cfg.agent_command}' runs its own tools: set tools: [] (it has {cfg.tools})"
+        )
+    if cfg.agent:
+        check_plain_function(cfg.agent, agent, "agent")
+        return
+    if cfg.agent_processes:
+        raise ConfigError(
+            "agent_processes runs agent functions in worker processes; agent_command runs each episode "
+            "in a process of its own already: unset agent_processes"
+        )
+    try:
+        program = shlex.split(cfg.agent_command)[0]
+    except (ValueError, IndexError) as e:
+        raise ConfigError(f"agent_command: {cfg.agent_command!r} is not a command line ({e})") from None
+    if shutil.which(program) is None:
+        raise ConfigError(
+            f"agent_command: '{program}' is not a program found on PATH; e.g. agent_command: python my_agent.py"
+        )
 
 
 def hold_output_dir(cfg: Config, say):
@@ -2185,6 +2225,8 @@ def rollout_metrics(eps: list[Episode]) -> dict:
         "rollout/empty": sum(e.end_reason == "empty" for e in eps) / n,
         "rollout/samples_per_episode": len(samples) / n,
         "rollout/forks": sum(e.forks for e in eps) / n,
+        "rollout/forks_harness_edit": sum(e.forks_harness_edit for e in eps) / n,
+        "rollout/forks_template": sum(e.forks - e.forks_harness_edit for e in eps) / n,
         "rollout/realigns": sum(e.realigns for e in eps) / n,
         "rollout/realigned_tokens": sum(e.realigned_tokens for e in eps) / n,
         "rollout/tokens_trained": sum(len(s.input_ids) for s in samples) / n,
@@ -2256,7 +2298,8 @@ NO_SPREAD = (
     "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
     "does; docs/your-task.md), or a reward with partial credit (e.g. a turn reward for a call that runs)."
 )
-RECORDED = "messages end_reason tool_calls tool_errors forks realigns boundaries tokenization_mismatches".split()
+RECORDED = "messages end_reason tool_calls tool_errors forks forks_harness_edit realigns boundaries".split()
+RECORDED += ["tokenization_mismatches"]
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
 
 
@@ -3800,8 +3843,8 @@ def print_help():
         print(f"  {name} ({kind}, default {default!r}{valid})\n      {docs.get(name, '')}")
 
 
-def load_object(spec: str, what: str = "object"):
-    """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
+def plugin_file(spec: str, what: str) -> tuple[str, str]:
+    """`path/to/file.py:name` -> the file, relative to the working folder or this file, and the name."""
     if ":" not in spec:
         raise ConfigError(f"{what} '{spec}' must look like path/to/file.py:function_name")
     path, name = spec.rsplit(":", 1)
@@ -3809,6 +3852,13 @@ def load_object(spec: str, what: str = "object"):
     full = path if os.path.isfile(path) else here if os.path.isfile(here) else None
     if full is None:
         raise ConfigError(f"{what} file not found: '{path}' (from '{spec}')")
+    return full, name
+
+
+def load_object(spec: str, what: str = "object"):
+    """`path/to/file.py:name` -> that object. Paths are relative to the working folder or this file."""
+    full, name = plugin_file(spec, what)
+    path = spec.rsplit(":", 1)[0]
     mod_name = "mtgrpo_plugin_" + re.sub(r"\W", "_", os.path.abspath(full))
     module = sys.modules.get(mod_name)
     if module is None:
@@ -4306,6 +4356,7 @@ class AgentEpisode:
     bodies: list[dict] = field(default_factory=list)  # each request's reply
     called: bool = False  # its last reply called a tool: the next request brings the results, a branch point
     replay: tuple = ((), ())  # a branch's: the requests of the path it branched from, to its own first, and the replies
+    stop: typing.Callable = lambda: None  # ends its harness's process (its group), where it has one
 
 
 class AgentEnv(MultiTurnToolEnv):
@@ -4320,6 +4371,24 @@ class AgentEnv(MultiTurnToolEnv):
         self.agent = agent
         self.counts = collections.Counter()  # agent/* metrics since the last stats()
         self.count_lock = threading.Lock()
+        self.workers = None  # agent_processes: the worker processes, started on the first rollout
+        if cfg.agent_processes:
+            self.workers = HarnessWorkers(cfg.agent, cfg.agent_processes)
+
+    def launch(self, state: AgentEpisode, url: str):
+        """An episode's harness: in a worker process (agent_processes), in a process of its own (agent_command), or in
+        a thread of the trainer."""
+        if self.workers:
+            self.workers.submit(state, url)
+            return
+        fn = self.agent
+        if self.cfg.agent_command:
+            fn = functools.partial(run_command, shlex.split(self.cfg.agent_command), state)
+        threading.Thread(target=run_harness, args=(fn, state, url), daemon=True).start()
+
+    def close(self):
+        if self.workers:
+            self.workers.close()
 
     def count(self, key: str, n: int = 1):
         with self.count_lock:
@@ -4353,6 +4422,9 @@ class AgentEnv(MultiTurnToolEnv):
                 endpoint.start(AgentEpisode(ep))
             states = self.wait_for_harnesses(endpoint)
         finally:
+            for state in list(endpoint.states.values()):  # a harness still running (agent_timeout) ends with its group
+                if state.running:
+                    state.stop()
             endpoint.close()
         failure = next((s.failure for s in states if s.failure), None)
         if failure:
@@ -4400,6 +4472,8 @@ class AgentEnv(MultiTurnToolEnv):
             end = "agent_error"
             e = state.result.exception()
             ep.row["agent_result"] = f"{type(e).__name__}: {e}"
+            if isinstance(e, HarnessFailed):  # said by a harness's process, which names its own error
+                ep.row["agent_result"] = str(e)
         else:
             ep.row["agent_result"] = state.result.result()
         with state.lock:  # waits for a turn in flight
@@ -4819,6 +4893,158 @@ def run_harness(agent, state: AgentEpisode, url: str):
         state.running = False
 
 
+# Harnesses in processes of their own: a command per episode (agent_command), or harness functions in worker processes
+# (agent_processes). Each process starts a session of its own, so its process group holds whatever it starts, and the
+# group ends with it: what a harness leaves running (a server, a browser, a sandbox) goes with its episode.
+
+
+class HarnessFailed(RuntimeError):
+    """A harness's error as its process said it (`ValueError: ...`, an exit status and the end of its stderr)."""
+
+
+class HarnessProcess:
+    """A process in a session of its own. `wait` waits for it to exit, ends its group (what it left running) and
+    reaps it; `end` kills the group now. The group is signalled only before the process is reaped, while its id
+    cannot be another group's."""
+
+    def __init__(self, argv: list[str], **kw):
+        self.proc = subprocess.Popen(argv, start_new_session=True, **kw)
+        self.lock = threading.Lock()
+        self.code = None  # its exit status, once reaped
+        self.ended = False  # its group was killed, or it exited
+        self.pending = {}  # a worker's (HarnessWorkers) episodes in flight, by key
+
+    def end(self):
+        with self.lock:
+            self.ended = True
+            if self.code is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+        self.end()
+        with self.lock:
+            self.code = self.proc.wait()
+        return self.code
+
+
+def run_command(argv: list[str], state: AgentEpisode, row: dict, url: str) -> str:
+    """An agent_command episode: the row as JSON on its stdin, its base_url as OPENAI_BASE_URL (and an
+    OPENAI_API_KEY, which clients require); what it prints, stripped, is its agent_result. Its output goes to files,
+    so nothing it leaves running can hold a pipe open."""
+    env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "mt-grpo"}
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        stdin.write(json.dumps(row, default=str).encode())
+        stdin.seek(0)
+        process = HarnessProcess(argv, stdin=stdin, stdout=out, stderr=err, env=env)
+        state.stop = process.end
+        if state.closed:  # its episode ended (agent_timeout) before it started
+            process.end()
+        code = process.wait()
+        out.seek(0)
+        err.seek(0)
+        said = err.read().decode(errors="replace").strip()[-2000:]
+        if code:
+            how = f"exited with status {code}"
+            if code < 0:
+                how = f"was killed by signal {-code}"
+            raise HarnessFailed(f"agent_command `{shlex.join(argv)}` {how}: {said or '(nothing on stderr)'}")
+        return out.read().decode(errors="replace").strip()
+
+
+def agent_worker(spec: str):
+    """A worker process (agent_processes), started as `python -c` with this function's source, so it imports nothing
+    of the trainer: loads the harness `file.py:fn`, reads episodes as JSON lines on stdin ({key, row, url}), runs each
+    in a thread of its own, and writes each outcome as a JSON line ({key, result} or {key, error}) to what was its
+    stdout. What the harness prints goes to stderr."""
+    import importlib.util
+    import json
+    import os
+    import sys
+    import threading
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the harness prints, as it imports too, and what it starts
+    sys.stdout = sys.stderr
+    path, name = spec.rsplit(":", 1)
+    sys.path.insert(0, os.path.dirname(path))  # its siblings import, as in the trainer
+    module_spec = importlib.util.spec_from_file_location("mtgrpo_harness", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    harness = getattr(module, name)
+    lock = threading.Lock()
+
+    def run(task):
+        try:
+            line = json.dumps({"key": task["key"], "result": harness(task["row"], task["url"])})
+        except BaseException as e:  # noqa: BLE001 - the episode's outcome; an unsendable result is one too
+            line = json.dumps({"key": task["key"], "error": f"{type(e).__name__}: {e}"})
+        with lock:
+            out.write(line + "\n")
+            out.flush()
+
+    for line in sys.stdin:
+        threading.Thread(target=run, args=(json.loads(line),), daemon=True).start()
+
+
+class HarnessWorkers:
+    """agent_processes worker processes (`agent_worker`), started as episodes need them: each episode goes to the
+    worker with the fewest, and runs in a thread of it. A worker that ends (killed with a hung harness's episode, or
+    crashed) fails the episodes it held; the next episode starts a new one."""
+
+    def __init__(self, spec: str, n: int):
+        full, name = plugin_file(spec, "agent")
+        target = f"{os.path.abspath(full)}:{name}"
+        self.argv = [sys.executable, "-c", f"{inspect.getsource(agent_worker)}\nagent_worker({target!r})"]
+        self.n = n
+        self.workers = []  # the living: each a HarnessProcess with its episodes in flight, by key (`pending`)
+        self.keys = itertools.count()
+        self.lock = threading.Lock()
+
+    def submit(self, state: AgentEpisode, url: str):
+        key = str(next(self.keys))
+        line = json.dumps({"key": key, "row": state.ep.row, "url": url}, default=str) + "\n"
+        with self.lock:
+            self.workers = [w for w in self.workers if not w.ended]  # one ended with a hung episode is replaced
+            if len(self.workers) < self.n:
+                worker = HarnessProcess(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                threading.Thread(target=self.read, args=(worker,), daemon=True).start()
+                self.workers.append(worker)
+            worker = min(self.workers, key=lambda w: len(w.pending))
+            worker.pending[key] = state
+            state.stop = worker.end
+            try:
+                worker.proc.stdin.write(line)
+                worker.proc.stdin.flush()
+            except OSError:  # it ended: read() fails what it held, this episode too
+                pass
+
+    def read(self, worker: HarnessProcess):
+        for line in worker.proc.stdout:
+            outcome = json.loads(line)
+            with self.lock:
+                state = worker.pending.pop(outcome["key"])
+            if "error" in outcome:
+                state.result.set_exception(HarnessFailed(outcome["error"]))
+            else:
+                state.result.set_result(outcome["result"])
+            state.running = False
+        code = worker.wait()
+        with self.lock:
+            held = list(worker.pending.values())
+            worker.pending.clear()
+        for state in held:
+            state.result.set_exception(HarnessFailed(f"its worker process (agent_processes) ended with status {code}"))
+            state.running = False
+
+    def close(self):
+        with self.lock:
+            workers = list(self.workers)
+        for worker in workers:
+            worker.end()
+
+
 class SamplingQueue:
     """The episodes' requests, sampled together: a thread collects requests until every running harness has sent one,
     or none came for BATCH_WINDOW, and calls the sampler once for them (the in-process sampler decodes a batch; a
@@ -4922,7 +5148,7 @@ class AgentEndpoint:
             key = f"e{len(self.states)}"
             self.states[key] = state
         url = f"http://127.0.0.1:{self.server.server_port}/episodes/{key}/v1"
-        threading.Thread(target=run_harness, args=(self.env.agent, state, url), daemon=True).start()
+        self.env.launch(state, url)
 
     def handle(self, handler, raw: bytes | None):
         try:

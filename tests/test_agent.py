@@ -8,7 +8,9 @@ import json
 import re
 import os
 import shutil
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -464,6 +466,40 @@ def test_a_harness_that_edits_its_history_forks_and_every_sample_holds_what_was_
     assert trained_turns(ep) == sampler.turns
     assert tok.decode(ep.samples[1].input_ids).startswith("<|im_start|>system\nturn 1")
     assert env.stats()["agent/history_edits"] == 1
+    metrics = M.rollout_metrics([ep])
+    assert (metrics["rollout/forks_harness_edit"], metrics["rollout/forks_template"]) == (1, 0), "the harness's doing"
+
+
+@pytest.mark.parametrize("retention", ["template", "tool_cycle"])
+def test_a_tool_call_the_template_re_renders_in_other_spacing_forks_as_the_templates_doing(qwen3, tmp_path, retention):
+    """The policy writes compact JSON; Qwen3's template renders the call back with its own spacing. The harness sends
+    the reply back unchanged, so the fork is the template's, not an edit; `tool_cycle` keeps the sampled text in the
+    tool cycle, verbatim, and the sample extends."""
+    compact = json.dumps({"name": "lookup", "arguments": {"key": "golf"}}, separators=(",", ":"))
+
+    def reply(text):
+        return f"<tool_call>\n{compact}\n</tool_call>" if "<tool_response>" not in text else "<answer>1</answer>"
+
+    def agent(row, base_url):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        while True:
+            message = client(base_url).chat.completions.create(model="policy", messages=messages, tools=[LOOKUP])
+            message = message.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))  # sent back as it came
+            if not message.tool_calls:
+                return message.content
+            messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "1"})
+
+    env = agent_env(qwen3, tmp_path, agent, "tool_format=native", f"thinking_retention={retention}")
+    sampler = ByPrompt(qwen3, reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert ep.end_reason == "answer" and ep.tool_calls == 1 and ep.tokenization_mismatches == 0
+    assert "agent/history_edits" not in env.stats()
+    assert trained_turns(ep) == sampler.turns
+    metrics = M.rollout_metrics([ep])
+    forks = {"template": 1, "tool_cycle": 0}[retention]
+    assert (metrics["rollout/forks_harness_edit"], metrics["rollout/forks_template"]) == (0, forks)
+    assert ep.forks == forks and len(ep.samples) == 1 + forks
 
 
 def test_request_fields_the_trainer_refuses_name_the_field_and_the_ones_it_overrides_are_counted(tok, tmp_path):
@@ -627,6 +663,14 @@ def test_a_recipe_with_an_agent_is_checked_at_load(tmp_path):
     cfg = recipe_cfg(tmp_path, f"agent={TOY_AGENT}", "tools=[]")
     with pytest.raises(M.ConfigError, match="async def"):
         M.check_agent(cfg, agent)
+    command = ["tools=[]", "agent_command=python tests/cmd_agent.py"]
+    with pytest.raises(M.ConfigError, match="agent and agent_command are both set"):
+        M.check_agent(recipe_cfg(tmp_path, f"agent={TOY_AGENT}", *command), None)
+    with pytest.raises(M.ConfigError, match="unset agent_processes"):
+        M.check_agent(recipe_cfg(tmp_path, *command, "agent_processes=2"), None)
+    with pytest.raises(M.ConfigError, match="'no-such-agent' is not a program found on PATH"):
+        M.check_agent(recipe_cfg(tmp_path, "tools=[]", "agent_command=no-such-agent --flag"), None)
+    M.check_agent(recipe_cfg(tmp_path, "tools=[]", f"agent_command={CMD_AGENT}"), None)
 
 
 def test_the_harness_recipe_trains_through_the_endpoint(tmp_path, tiny_model_dir):
@@ -742,6 +786,25 @@ def test_a_harness_that_keeps_its_client_open_leaves_no_thread_behind_and_its_ow
     assert evaluated[0].row["agent_result"] == "TimeoutError: the harness's own deadline"
 
 
+class RightInEveryOtherEpisode(ByPrompt):
+    """A group's episodes have consecutive sessions: one of each two answers wrong after its tool result (`result`
+    in the prompt), so a group's rewards differ and its advantages are not zero."""
+
+    def __init__(self, tok, reply, result: str, end: int):
+        super().__init__(tok, reply, end)
+        self.right = reply
+        self.result = result
+
+    def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
+        outs = []
+        for prompt, session in zip(prompts, sessions):
+            self.reply = self.right
+            if session % 2:
+                self.reply = lambda text: "<answer>wrong</answer>" if self.result in text else self.right(text)
+            outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
+        return outs
+
+
 def kv_native_reply(text):
     """The toy's protocol in native calls: look the key the question names up, then answer with the result."""
     if "<tool_response>" not in text:
@@ -769,6 +832,49 @@ def test_the_openai_agents_sdk_on_its_defaults_runs_episodes_through_the_respons
     assert "agent/history_edits" not in env.stats()
 
 
+def test_the_openai_agents_sdk_streamed_run_makes_the_same_episodes(qwen3, tmp_path):
+    """`Runner.run_streamed`: the SDK's Responses API model with `stream: true`. Its events are the endpoint's
+    (the Responses API's stream, parsed by the SDK into its run items), and the episodes are the unstreamed run's,
+    token for token."""
+    import asyncio
+
+    from agents import RunConfig, Runner
+    from agents.models.openai_provider import OpenAIProvider
+
+    from tasks.toy_kv_agents_sdk import AGENT
+    from tasks.toy_kv_agents_sdk import agent as unstreamed
+
+    events = {}
+
+    async def run(row, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            provider = OpenAIProvider(openai_client=client)
+            config = RunConfig(model="policy", model_provider=provider, tracing_disabled=True)
+            result = Runner.run_streamed(AGENT, row["prompt"], run_config=config)
+            async for event in result.stream_events():
+                kind = getattr(event, "data", None) or getattr(event, "item", None) or event
+                events.setdefault(row["key"], []).append(getattr(kind, "type", event.type))
+        return result.final_output
+
+    keys = ["golf", "kilo"]
+    episodes = {}
+    for name, agent in (("streamed", lambda row, url: asyncio.run(run(row, url))), ("whole", unstreamed)):
+        env = agent_env(qwen3, tmp_path, agent, "tool_format=native", "system_prompt=")
+        sampler = ByPrompt(qwen3, kv_native_reply, end=qwen3.convert_tokens_to_ids("<|im_end|>"))
+        episodes[name] = env.rollout(rows(keys), sampler)
+        assert "agent/history_edits" not in env.stats()
+    for ep, k in zip(episodes["streamed"], keys):
+        assert ep.row["agent_result"] == f"<answer>{TABLE[k]}</answer>", ep.row["agent_result"]
+        assert ep.end_reason == "answer" and ep.tool_calls == 1 and len(ep.turns) == 2 and ep.forks == 0
+        stream = events[k]
+        for kind in ("response.function_call_arguments.delta", "tool_call_item", "tool_call_output_item"):
+            assert kind in stream, (kind, stream)
+        assert stream.count("response.completed") == 2 and "response.output_text.delta" in stream
+    for streamed, whole in zip(episodes["streamed"], episodes["whole"]):
+        assert [s.input_ids for s in streamed.samples] == [s.input_ids for s in whole.samples]
+        assert [s.loss_mask for s in streamed.samples] == [s.loss_mask for s in whole.samples]
+
+
 def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkeypatch):
     """Two steps of the toy task run by the Agents SDK, in-process: a random model with the Qwen3 chat template (native
     tools), a scripted sampler that answers right in one episode of each group (so its advantages are not zero)."""
@@ -778,22 +884,10 @@ def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkey
     shutil.copytree(tiny_model_dir, model_dir)
     shutil.copy(os.path.join(FIX, "qwen3_chat_template.jinja"), model_dir / "chat_template.jinja")
 
-    class RightInEveryOtherEpisode(ByPrompt):
-        """A group's episodes have consecutive sessions: one of each two answers wrong."""
-
-        def generate(self, prompts, max_tokens, temperature, top_p, stop, generator=None, sessions=None):
-            outs = []
-            for prompt, session in zip(prompts, sessions):
-                self.reply = kv_native_reply
-                if session % 2:
-                    self.reply = lambda text: (
-                        "<answer>wrong</answer>" if "<tool_response>" in text else kv_native_reply(text)
-                    )
-                outs += super().generate([prompt], max_tokens, temperature, top_p, stop, generator, [session])
-            return outs
-
     def sampler(model, tok):
-        return RightInEveryOtherEpisode(tok, kv_native_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+        return RightInEveryOtherEpisode(
+            tok, kv_native_reply, "<tool_response>", tok.convert_tokens_to_ids("<|im_end|>")
+        )
 
     monkeypatch.setattr(M, "LocalSampler", sampler)
     recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
@@ -809,3 +903,118 @@ def test_the_openai_agents_sdk_trains_two_steps(tmp_path, tiny_model_dir, monkey
         episodes = [json.loads(line) for line in f]
     assert len(episodes) == 8 and {e["end_reason"] for e in episodes} == {"answer"}
     assert all(e["messages"][-1]["content"].startswith("<answer>") for e in episodes)
+
+
+CMD_AGENT = f"{sys.executable} tests/cmd_agent.py"
+
+
+def alive(pid: int) -> bool:
+    """Running: a process that exists and is not a zombie (one killed is reaped by whoever adopted it, or not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture()
+def pidfiles(tmp_path):
+    """Where the harnesses write the pids of what they start; whatever of it still runs after the test is ended."""
+    yield lambda key: str(tmp_path / f"{key}.pids")
+    for path in tmp_path.glob("*.pids"):
+        for pid in map(int, path.read_text().split()):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def started(path: str) -> list[int]:
+    M_until = __import__("conftest").until
+    M_until(lambda: os.path.exists(path) and len(open(path).read().split()) == 2, f"the harness to write {path}")
+    return [int(pid) for pid in open(path).read().split()]
+
+
+def test_a_command_harness_hangs_fails_and_leaves_processes_as_counted_outcomes_and_ends_with_its_group(
+    tok, tmp_path, pidfiles
+):
+    """agent_command: a process per episode, the plain openai client on OPENAI_BASE_URL. A hang (agent_timeout) and a
+    non-zero exit are counted faults; what a hung or a finished harness left running ends with its process group."""
+    env = agent_env(tok, tmp_path, None, "agent=", f"agent_command={CMD_AGENT}", "agent_timeout=20")
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    keys = ["golf", "kilo", "alpha", "mike"]  # each row a key of its own, and a fault by its tag
+    batch = [{**row, "key": tag, "pidfile": pidfiles(tag)} for row, tag in zip(rows(keys), ROW_KEYS)]
+    eps = env.rollout(batch, sampler)
+    assert [ep.row["key"] for ep in eps] == ["golf", "leaves"], "the faults are left out"
+    assert [ep.end_reason for ep in eps] == ["answer", "answer"] and [len(ep.turns) for ep in eps] == [2, 2]
+    for ep, k in zip(eps, ["golf", "mike"]):
+        assert ep.row["agent_result"] == f"<reasoning>found</reasoning>\n<answer>{TABLE[k]}</answer>"
+        assert trained_turns(ep) == [t for t in sampler.turns if t in trained_turns(ep)] and len(trained_turns(ep)) == 2
+    assert env.stats() == {"agent/agent_errors": 1, "agent/agent_timeouts": 1}
+    for key in ("hangs", "leaves"):  # the harness and the process it started
+        for pid in started(pidfiles(key)):
+            __import__("conftest").until(lambda: not alive(pid), f"{key}'s process {pid} to be ended")
+    evaluated = env.rollout(batch[2:3], sampler, eval_temperature=0.0)
+    assert evaluated[0].end_reason == "agent_error"
+    assert evaluated[0].row["agent_result"] == (
+        f"agent_command `{CMD_AGENT}` exited with status 3: the command's own failure"
+    )
+
+
+ROW_KEYS = ["golf", "hangs", "fails", "leaves"]
+
+
+def test_harness_functions_in_worker_processes_answer_as_in_threads_and_a_hung_one_ends_its_worker(
+    tok, tmp_path, pidfiles
+):
+    """agent_processes: the harness runs in worker processes, not the trainer's; its result travels back as JSON,
+    its error as its own; a hung harness's worker ends with its group after the rollout, and a new one serves the next."""
+    spec = "tests/cmd_agent.py:agent"
+    env = agent_env(tok, tmp_path, None, f"agent={spec}", "agent_processes=2", "agent_timeout=20")
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    try:
+        batch = [{**row, "say_pid": True} for row in rows(["golf", "kilo"])]
+        batch += [{"prompt": "q", "key": "raises"}, {"prompt": "q", "key": "hangs", "pidfile": pidfiles("hangs")}]
+        eps = env.rollout(batch, sampler)
+        workers = {w.proc.pid for w in env.workers.workers}
+        assert len(workers) == 2 and os.getpid() not in workers
+        assert [ep.row["key"] for ep in eps] == ["golf", "kilo"] and [ep.end_reason for ep in eps] == ["answer"] * 2
+        for ep in eps:
+            assert (
+                ep.row["agent_result"]["answer"]
+                == f"<reasoning>found</reasoning>\n<answer>{TABLE[ep.row['key']]}</answer>"
+            )
+            assert ep.row["agent_result"]["pid"] in workers
+        assert env.stats() == {"agent/agent_errors": 1, "agent/agent_timeouts": 1}
+        evaluated = env.rollout(batch[2:3], sampler, eval_temperature=0.0)
+        assert evaluated[0].row["agent_result"] == "ValueError: the harness's own bug"
+        hung_worker, child = started(pidfiles("hangs"))
+        assert hung_worker in workers
+        for pid in (hung_worker, child):
+            __import__("conftest").until(lambda: not alive(pid), f"the hung harness's process {pid} to be ended")
+        [ep] = env.rollout(rows(["mike"]), sampler)
+        assert ep.end_reason == "answer" and len(env.workers.workers) == 2, "a new worker beside the one left"
+        assert hung_worker not in {w.proc.pid for w in env.workers.workers}
+    finally:
+        env.close()
+    for w in env.workers.workers:
+        __import__("conftest").until(lambda: not alive(w.proc.pid), "the workers to end with the environment")
+
+
+def test_a_command_harness_trains_a_step(tmp_path, tiny_model_dir, monkeypatch):
+    """The toy recipe with agent_command (tests/cmd_agent.py, the plain openai client on OPENAI_BASE_URL) in place of
+    the function: a step in-process, against a scripted sampler that answers right in one episode of each two."""
+
+    def sampler(model, tok):
+        return RightInEveryOtherEpisode(tok, toy_reply, "<result>", tok.convert_tokens_to_ids("<|im_end|>"))
+
+    monkeypatch.setattr(M, "LocalSampler", sampler)
+    recipe = os.path.join(M.HERE, "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml")
+    overrides = ["agent=", f"agent_command={CMD_AGENT}", f"model_name_or_path={tiny_model_dir}", "model_builder="]
+    overrides += [f"output_dir={tmp_path}/run", "max_steps=1", "eval_steps=0", "prompts_per_step=2"]
+    overrides += ["num_generations=2", "log_episodes_steps=1"]
+    [m] = M.train(M.load_config(recipe, overrides))
+    assert m["rollout/tool_calls"] == 1 and m["reward/outcome"] == 0.5 and m["loss/grad_norm"] > 0, m
+    assert "agent/agent_errors" not in m
+    with open(f"{tmp_path}/run/episodes.jsonl") as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == 4 and {e["end_reason"] for e in episodes} == {"answer"}
+    assert {e["messages"][-1]["content"].split("<answer>")[1] for e in episodes} > {"wrong</answer>"}

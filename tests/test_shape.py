@@ -34,6 +34,8 @@ FEATURE_TOKENS = {
     "a state-matched baseline (advantage_mode state_matched), each turn's state a digest of its prompt, adv/state_match_* (issue 48)": 537,
     "the bridge steps aside for a template that refuses its stub (Gemma without a system message; issue 46)": 17,
     "`show` beside plot, and report.html written at a run's end, named by the summary's last line (issue 45)": 48,
+    "forks by cause: rollout/forks_harness_edit and rollout/forks_template (issue 47)": 57,
+    "harnesses out of the trainer's process: agent_processes (worker processes), agent_command (a process per episode), each ended with its process group (issue 47)": 1_391,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
