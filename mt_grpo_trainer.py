@@ -70,6 +70,7 @@ import functools
 import glob
 import fcntl
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
@@ -115,7 +116,8 @@ class Config:
     model_name_or_path: str = ".cache/toy-kv-model-hd32"
     """HF hub id or local folder holding the policy model and its tokenizer."""
     model_builder: str = ""
-    """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
+    """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet; build_report.json
+    records what built it, and a run whose builder or its sources changed since stops (delete the folder to rebuild)."""
     dataset: str = "tasks/toy_kv.py:make_dataset"
     """Prompts: a .jsonl file, or `file.py:function` returning a list of dicts; each row needs `prompt`."""
     system_prompt: str = (
@@ -1932,43 +1934,118 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
 
 def build_model_if_missing(cfg: Config, say):
     """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path and print the builder's report
-    (a model built by an earlier run is not reported again). Runs started together (a sweep, several trainers on one
-    disk) build it once: the lock beside the folder makes the others wait, then use it."""
-    if os.path.exists(cfg.model_name_or_path) or not cfg.model_builder:
+    (a model built by an earlier run is not reported again); a model whose builder changed since stops the run
+    (`check_build`). Runs started together (a sweep, several trainers on one disk) build it once: the lock beside the
+    folder makes the others wait, then use it."""
+    if not cfg.model_builder:
         return
-    lock = filelock.FileLock(cfg.model_name_or_path.rstrip("/") + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        say(f"[mt-grpo] another run is building {cfg.model_name_or_path}: waiting for it ...")
-        lock.acquire()
-    try:
-        if not os.path.exists(cfg.model_name_or_path):  # the run that held the lock built it
-            build_model(cfg, say)
-    finally:
-        lock.release()
+    if not os.path.exists(cfg.model_name_or_path):
+        lock = filelock.FileLock(cfg.model_name_or_path.rstrip("/") + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            say(f"[mt-grpo] another run is building {cfg.model_name_or_path}: waiting for it ...")
+            lock.acquire()
+        try:
+            if not os.path.exists(cfg.model_name_or_path):  # the run that held the lock built it
+                build_model(cfg, say)
+        finally:
+            lock.release()
+    check_build(cfg, say)  # one built by another run too: a sweep whose builder was edited in between
 
 
 def build_model(cfg: Config, say):
-    """model_builder into a temp folder, renamed to model_name_or_path when it returns: all of it or nothing."""
-    system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
+    """model_builder into a temp folder, renamed to model_name_or_path when it returns: all of it or nothing, with
+    what built it (`build_record`) in its build_report.json as `built_by`."""
+    record = build_record(cfg)
     say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
     tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     builder = load_object(cfg.model_builder, "model builder")
     try:
-        builder(tmp, system_prompt=system_prompt)
+        builder(tmp, system_prompt=record["system_prompt"])
     except Exception as e:  # nothing half-built is left, and the next run builds again
         shutil.rmtree(tmp, ignore_errors=True)
         raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
-    os.replace(tmp, cfg.model_name_or_path)
-    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    report_path = os.path.join(tmp, "build_report.json")
+    rep = {}
     if os.path.isfile(report_path):
         with open(report_path) as f:
             rep = json.load(f)
+        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', '')}")
+    with open(report_path, "w") as f:
+        json.dump({**rep, "built_by": record}, f, indent=2)
+    os.replace(tmp, cfg.model_name_or_path)  # the folder appears with its record: a run that sees it can check it
+
+
+def build_record(cfg: Config) -> dict:
+    """What builds model_name_or_path: model_builder (file name and function), the SHA-256 of each source file it can
+    run (its file and, transitively, the files it imports that are neither the standard library, installed packages
+    nor this trainer; named relative to its folder) and the system prompt it is given."""
+    builder = load_object(cfg.model_builder, "model builder")
+    files = [os.path.abspath(inspect.getfile(builder))]
+    folder = os.path.dirname(files[0])
+    skipped = (os.path.dirname(os.__file__), os.path.abspath(__file__))
+    sources = {}
+    for path in files:  # grows as imports are found
+        if path in sources or path.startswith(skipped) or "-packages" in path:
+            continue
+        with open(path, "rb") as f:
+            text = f.read()
+        sources[path] = hashlib.sha256(text).hexdigest()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            files += [f for f in map(functools.partial(module_file, folder=folder), names) if f]
+    relative = {os.path.relpath(p, folder): h for p, h in sorted(sources.items())}
+    system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
+    return {"model_builder": os.path.basename(cfg.model_builder), "sources": relative, "system_prompt": system_prompt}
+
+
+def module_file(name: str, folder: str) -> str | None:
+    """The .py file `import name` runs from a plug-in in `folder` (its siblings first, then sys.path), found without
+    importing anything nor asking sys.modules (which may hold another plug-in's sibling of that name); None if none."""
+    search = [folder, *sys.path]
+    spec = None
+    for part in name.split("."):
+        if search is None:  # `from module import name`: a name in the module, not a submodule
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    if spec.origin and spec.origin.endswith(".py"):
+        return os.path.abspath(spec.origin)
+    return None
+
+
+def check_build(cfg: Config, say):
+    """Stop a run whose model folder was built by another builder than the recipe's (or from other sources, or for
+    another system prompt): one line that says how to rebuild. A folder without a record is said, and used."""
+    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    built_by = None
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            built_by = json.load(f).get("built_by")
+    if built_by is None:
         say(
-            f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', report_path)}"
+            f"[mt-grpo] note: {cfg.model_name_or_path} has no record of what built it (build_report.json's built_by), "
+            f"so it is used as it is: if {cfg.model_builder} changed since, delete the folder to rebuild it"
+        )
+        return
+    now = build_record(cfg)
+    changed = [k for k in ("model_builder", "system_prompt") if built_by.get(k) != now[k]]
+    old = built_by.get("sources", {})
+    changed += [f for f in sorted(set(old) | set(now["sources"])) if old.get(f) != now["sources"].get(f)]
+    if changed:
+        raise ConfigError(
+            f"{cfg.model_name_or_path} was built by another model_builder than {cfg.model_builder} (changed since: "
+            f"{', '.join(changed)}): delete the folder to rebuild it (rm -r {cfg.model_name_or_path}), or set "
+            "model_name_or_path to a new folder to keep both"
         )
 
 

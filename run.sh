@@ -158,7 +158,7 @@ if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs 
   RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
         --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: the address of node 0}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
 fi
-if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
+if [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first, built by the recipe's builder as it is now
   "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
 import sys, mt_grpo_trainer as M
 try:

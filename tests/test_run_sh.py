@@ -160,6 +160,19 @@ def test_a_model_builder_that_does_not_import_is_one_line_before_the_server_star
     assert "builder.py" in r.stderr and "SyntaxError" in r.stderr and not (tmp_path / "launched").exists()
 
 
+def test_a_model_whose_builder_changed_is_one_line_before_the_server_starts(tmp_path):
+    """The server would load the model folder as it is: run.sh checks what built it first (build_report.json)."""
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (tmp_path / "builder.py").write_text("def build(path, system_prompt):\n    open(path + '/weights', 'w').close()\n")
+    model = [f"model_name_or_path={tmp_path}/m", f"model_builder={tmp_path}/builder.py:build"]
+    M.build_model_if_missing(M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", model), print)
+    (tmp_path / "builder.py").write_text("def build(path, system_prompt):\n    pass\n")
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", *model, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert f"{tmp_path}/m was built by another model_builder" in r.stderr and "(changed since: builder.py)" in r.stderr
+    assert not (tmp_path / "launched").exists()
+
+
 def test_an_nvidia_smi_that_fails_is_said_not_taken_silently_for_no_gpu(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     (bin_dir / "nvidia-smi").write_text(

@@ -33,6 +33,7 @@ FEATURE_TOKENS = {
     "attention sinks (gpt_oss) on the CPU, in packed rows and plain calls: one more key per head, scored by its sink (issue 46)": 342,
     "a state-matched baseline (advantage_mode state_matched), each turn's state a digest of its prompt, adv/state_match_* (issue 48)": 537,
     "the run says why it is not learning: tool shares and error rate, groups without spread, a tool-choice alarm, reasons and failing episodes at the end (issue 45)": 862,
+    "build_report.json records what built a model (its builder, the sources it imports, its system prompt); a changed builder stops the run (issue 45)": 598,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
