@@ -2496,7 +2496,7 @@ def summarize(cfg: Config, history: list[dict], failing: list[str] = ()):
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
         evals = [h for h in history if key in h]
         ends = evals[:1] + evals[1:][-1:]  # the first and the last, each once
-        print(f"  {key:<{width}} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
+        print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
     print(f"  total time {sum(h['time/step'] for h in steps):.0f} s")
     reasons = diagnose(cfg, first, last, k, failing)
     if reasons:
