@@ -70,6 +70,7 @@ import functools
 import glob
 import fcntl
 import hashlib
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
@@ -118,7 +119,8 @@ class Config:
     model_name_or_path: str = ".cache/toy-kv-model-hd32"
     """HF hub id or local folder holding the policy model and its tokenizer."""
     model_builder: str = ""
-    """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet."""
+    """`file.py:function` that creates `model_name_or_path` when that folder does not exist yet; build_report.json
+    records what built it, and a run whose builder or its sources changed since stops (delete the folder to rebuild)."""
     dataset: str = "tasks/toy_kv.py:make_dataset"
     """Prompts: a .jsonl file, or `file.py:function` returning a list of dicts; each row needs `prompt`."""
     system_prompt: str = (
@@ -431,6 +433,7 @@ class Episode:
     end_reason: str = ""  # answer | no_action | empty | max_env_steps | truncated | context
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_names: list[str] = field(default_factory=list)  # per call that named one of the tools, that tool's name
     tool_output_replaced: int = 0  # characters of tool output the tokenizer could not take
     first_result_turn: int | None = None  # first assistant turn after a tool result
     forks: int = 0
@@ -1136,6 +1139,7 @@ class MultiTurnToolEnv:
                 args = copy.deepcopy(call.get(self.fmt.args_key, {}))
                 tool = self.tools[call["name"]]
                 future = self.pool.submit(tool, **args)
+                ep.tool_names.append(call["name"])
             futures.append(future)
         results = []
         for (ep, call), error, future in zip(pending, errors, futures):
@@ -1744,7 +1748,7 @@ class Run:
             if self.logger.wandb:
                 self.logger.wandb.finish()
             if self.is_main:
-                summarize(self.cfg, history)
+                summarize(self.cfg, history, self.logger.failing)
         self.sampler.close()
         if isinstance(self.env, AgentEnv):
             self.env.close()  # its harnesses' worker processes
@@ -1971,43 +1975,118 @@ def prepare_output_dir(cfg: Config, ckpt: str | None, eval_only: bool, say) -> s
 
 def build_model_if_missing(cfg: Config, say):
     """Rank 0 (or run.sh, before a server starts): build a missing model_name_or_path and print the builder's report
-    (a model built by an earlier run is not reported again). Runs started together (a sweep, several trainers on one
-    disk) build it once: the lock beside the folder makes the others wait, then use it."""
-    if os.path.exists(cfg.model_name_or_path) or not cfg.model_builder:
+    (a model built by an earlier run is not reported again); a model whose builder changed since stops the run
+    (`check_build`). Runs started together (a sweep, several trainers on one disk) build it once: the lock beside the
+    folder makes the others wait, then use it."""
+    if not cfg.model_builder:
         return
-    lock = filelock.FileLock(cfg.model_name_or_path.rstrip("/") + ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        say(f"[mt-grpo] another run is building {cfg.model_name_or_path}: waiting for it ...")
-        lock.acquire()
-    try:
-        if not os.path.exists(cfg.model_name_or_path):  # the run that held the lock built it
-            build_model(cfg, say)
-    finally:
-        lock.release()
+    if not os.path.exists(cfg.model_name_or_path):
+        lock = filelock.FileLock(cfg.model_name_or_path.rstrip("/") + ".lock")
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            say(f"[mt-grpo] another run is building {cfg.model_name_or_path}: waiting for it ...")
+            lock.acquire()
+        try:
+            if not os.path.exists(cfg.model_name_or_path):  # the run that held the lock built it
+                build_model(cfg, say)
+        finally:
+            lock.release()
+    check_build(cfg, say)  # one built by another run too: a sweep whose builder was edited in between
 
 
 def build_model(cfg: Config, say):
-    """model_builder into a temp folder, renamed to model_name_or_path when it returns: all of it or nothing."""
-    system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
+    """model_builder into a temp folder, renamed to model_name_or_path when it returns: all of it or nothing, with
+    what built it (`build_record`) in its build_report.json as `built_by`."""
+    record = build_record(cfg)
     say(f"[mt-grpo] building {cfg.model_name_or_path} with {cfg.model_builder} ...")
     tmp = cfg.model_name_or_path.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     builder = load_object(cfg.model_builder, "model builder")
     try:
-        builder(tmp, system_prompt=system_prompt)
+        builder(tmp, system_prompt=record["system_prompt"])
     except Exception as e:  # nothing half-built is left, and the next run builds again
         shutil.rmtree(tmp, ignore_errors=True)
         raise plugin_error(e, f"model builder '{cfg.model_builder}' failed") from None
-    os.replace(tmp, cfg.model_name_or_path)
-    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    report_path = os.path.join(tmp, "build_report.json")
+    rep = {}
     if os.path.isfile(report_path):
         with open(report_path) as f:
             rep = json.load(f)
+        say(f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', '')}")
+    with open(report_path, "w") as f:
+        json.dump({**rep, "built_by": record}, f, indent=2)
+    os.replace(tmp, cfg.model_name_or_path)  # the folder appears with its record: a run that sees it can check it
+
+
+def build_record(cfg: Config) -> dict:
+    """What builds model_name_or_path: model_builder (file name and function), the SHA-256 of each source file it can
+    run (its file and, transitively, the files it imports that are neither the standard library, installed packages
+    nor this trainer; named relative to its folder) and the system prompt it is given."""
+    builder = load_object(cfg.model_builder, "model builder")
+    files = [os.path.abspath(inspect.getfile(builder))]
+    folder = os.path.dirname(files[0])
+    skipped = (os.path.dirname(os.__file__), os.path.abspath(__file__))
+    sources = {}
+    for path in files:  # grows as imports are found
+        if path in sources or path.startswith(skipped) or "-packages" in path:
+            continue
+        with open(path, "rb") as f:
+            text = f.read()
+        sources[path] = hashlib.sha256(text).hexdigest()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            files += [f for f in map(functools.partial(module_file, folder=folder), names) if f]
+    relative = {os.path.relpath(p, folder): h for p, h in sorted(sources.items())}
+    system_prompt = system_prompt_for(cfg, [load_object(s, "tool") for s in cfg.tools])
+    return {"model_builder": os.path.basename(cfg.model_builder), "sources": relative, "system_prompt": system_prompt}
+
+
+def module_file(name: str, folder: str) -> str | None:
+    """The .py file `import name` runs from a plug-in in `folder` (its siblings first, then sys.path), found without
+    importing anything nor asking sys.modules (which may hold another plug-in's sibling of that name); None if none."""
+    search = [folder, *sys.path]
+    spec = None
+    for part in name.split("."):
+        if search is None:  # `from module import name`: a name in the module, not a submodule
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(part, search)
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    if spec.origin and spec.origin.endswith(".py"):
+        return os.path.abspath(spec.origin)
+    return None
+
+
+def check_build(cfg: Config, say):
+    """Stop a run whose model folder was built by another builder than the recipe's (or from other sources, or for
+    another system prompt): one line that says how to rebuild. A folder without a record is said, and used."""
+    report_path = os.path.join(cfg.model_name_or_path, "build_report.json")
+    built_by = None
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            built_by = json.load(f).get("built_by")
+    if built_by is None:
         say(
-            f"[mt-grpo] model built by {rep.get('builder')}: {rep.get('params')} params; {rep.get('summary', report_path)}"
+            f"[mt-grpo] note: {cfg.model_name_or_path} has no record of what built it (build_report.json's built_by), "
+            f"so it is used as it is: if {cfg.model_builder} changed since, delete the folder to rebuild it"
+        )
+        return
+    now = build_record(cfg)
+    changed = [k for k in ("model_builder", "system_prompt") if built_by.get(k) != now[k]]
+    old = built_by.get("sources", {})
+    changed += [f for f in sorted(set(old) | set(now["sources"])) if old.get(f) != now["sources"].get(f)]
+    if changed:
+        raise ConfigError(
+            f"{cfg.model_name_or_path} was built by another model_builder than {cfg.model_builder} (changed since: "
+            f"{', '.join(changed)}): delete the folder to rebuild it (rm -r {cfg.model_name_or_path}), or set "
+            "model_name_or_path to a new folder to keep both"
         )
 
 
@@ -2180,6 +2259,9 @@ def episode_metrics(eps: list[Episode]) -> dict:
     before = [abs(a) for ep in eps for a in ep.advantages[: ep.first_result_turn]]
     after = [abs(a) for ep in eps if ep.first_result_turn for a in ep.advantages[ep.first_result_turn :]]
     per_turn = [[ep.advantages[k] for ep in eps if k < len(ep.advantages)] for k in range(8)]  # the first 8 turns'
+    moved = collections.defaultdict(bool)  # group -> whether some advantage of it is not 0 (its rewards spread)
+    for ep in eps:
+        moved[ep.group] |= any(ep.advantages)
     return {
         "reward/turn": float(np.mean([ep.turn_reward for ep in eps])),
         "reward/outcome": float(np.mean([ep.outcome_reward for ep in eps])),
@@ -2188,6 +2270,7 @@ def episode_metrics(eps: list[Episode]) -> dict:
         "adv/after_abs": float(np.mean(after)) if after else 0.0,
         **{f"adv/turn{k}_abs": float(np.mean(np.abs(a))) for k, a in enumerate(per_turn) if a},
         **{f"adv/turn{k}_mean": float(np.mean(a)) for k, a in enumerate(per_turn) if a},
+        "adv/groups_without_spread": 1 - float(np.mean(list(moved.values()))),
         **state_match_metrics(eps),
         **rollout_metrics(eps),
     }
@@ -2215,10 +2298,14 @@ def state_match_metrics(eps: list[Episode]) -> dict:
 def rollout_metrics(eps: list[Episode]) -> dict:
     n = len(eps)
     samples = [s for e in eps for s in e.samples]
+    calls = sum(e.tool_calls for e in eps)
+    named = collections.Counter(name for e in eps for name in e.tool_names)  # calls that named one of the tools
     return {
         "rollout/turns": sum(len(e.turns) for e in eps) / n,
-        "rollout/tool_calls": sum(e.tool_calls for e in eps) / n,
+        "rollout/tool_calls": calls / n,
         "rollout/tool_errors": sum(e.tool_errors for e in eps) / n,
+        "rollout/tool_error_rate": sum(e.tool_errors for e in eps) / max(calls, 1),
+        **{f"rollout/tool_share_{name}": k / named.total() for name, k in named.items()},
         "rollout/tool_output_replaced": sum(e.tool_output_replaced for e in eps),
         "rollout/truncated": sum(e.end_reason in ("truncated", "context") for e in eps) / n,
         "rollout/answered": sum(e.end_reason == "answer" for e in eps) / n,
@@ -2262,13 +2349,17 @@ def called(ep: Episode) -> int:
 
 
 class ToolCollapseAlarm:
-    """Tool-use collapse (outcome-only credit can teach a policy to stop calling tools): the first turn's tool-call
-    rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning per collapse.
-    A peak under MIN_PEAK is no tool use to lose (a policy that never learned to call a tool has not collapsed)."""
+    """Tool-use collapse (outcome-only credit can teach a policy to stop calling tools): a rate, by default the first
+    turn's tool-call rate, as a mean over the last `steps` steps, below `fraction` of that mean's peak. One warning
+    per collapse. A peak under MIN_PEAK is no tool use to lose (a policy that never learned to call a tool has not
+    collapsed). The logger keeps a second one for tool-choice collapse, where the recipe has several tools: the rate
+    is the share of the calls the most-called tool does not take, which falls as one tool takes nearly every call."""
 
     MIN_PEAK = 0.05
 
-    def __init__(self, fraction: float, steps: int):
+    def __init__(self, fraction: float, steps: int, what="tool-use collapse", rate="the first turn's tool-call rate"):
+        self.what = what
+        self.rate = rate
         self.fraction = fraction
         self.recent = collections.deque(maxlen=steps)
         self.peak = 0.0
@@ -2285,8 +2376,8 @@ class ToolCollapseAlarm:
         if not self.on or was:
             return ""
         return (
-            f"[mt-grpo] warning: tool-use collapse at step {step}: the first turn's tool-call rate is {mean:.2f} over "
-            f"the last {len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}"
+            f"[mt-grpo] warning: {self.what} at step {step}: {self.rate} is {mean:.2f} over the last "
+            f"{len(self.recent)} steps, below {self.fraction} x its peak {self.peak:.2f}"
         )
 
 
@@ -2298,9 +2389,34 @@ NO_SPREAD = (
     "(tasks/triviaqa_sample.py:fewshot_rows), a warm start on demonstrations (model_builder, as tasks/toy_kv.py "
     "does; docs/your-task.md), or a reward with partial credit (e.g. a turn reward for a call that runs)."
 )
-RECORDED = "messages end_reason tool_calls tool_errors forks forks_harness_edit realigns boundaries".split()
+RECORDED = "messages end_reason tool_calls tool_errors tool_names forks forks_harness_edit realigns boundaries".split()
 RECORDED += ["tokenization_mismatches"]
 RECORDED += "rewards turn_rewards turn_reward outcome_reward advantages first_result_turn node turn_nodes".split()
+
+
+def tool_shares(m: dict) -> dict[str, float]:
+    """Each tool's share of the calls that named one of the recipe's tools, from a step's (or a window's) metrics."""
+    return {k.removeprefix("rollout/tool_share_"): v for k, v in m.items() if k.startswith("rollout/tool_share_")}
+
+
+def shares_text(shares: dict[str, float]) -> str:
+    return ", ".join(f"{name} {v:.2f}" for name, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+
+
+def failing_episodes(records: list[dict], n: int = 3) -> list[str]:
+    """Where to look: the n dumped episodes with the lowest outcome reward (those with tool errors first), each as its
+    step and episode number in episodes.jsonl, its outcome, and its first tool error or else how it ended."""
+    worst = sorted(records, key=lambda r: (r["outcome_reward"], -r["tool_errors"]))[:n]
+    pointers = []
+    for r in worst:
+        why = f"ended: {r['end_reason']}"
+        first_reply = next((i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"), 0)
+        results = [str(m["content"]) for m in r["messages"][first_reply:] if m["role"] != "assistant"]
+        errors = [hit.group() for hit in (re.search(r"Error: [^\n]{0,100}", c) for c in results) if hit]
+        if r["tool_errors"] and errors:  # run_tools writes an error result as "Error: TYPE: message"
+            why = f"tool {errors[0]}"
+        pointers.append(f"step {r['step']} episode {r['episode']} (outcome {r['outcome_reward']:.2f}, {why})")
+    return pointers
 
 
 def episode_record(step: int, i: int, group: int, ep: Episode) -> dict:
@@ -2325,6 +2441,9 @@ class MetricsLogger:
         self.history = []
         self.wandb = None
         self.alarm = ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps)
+        rate = "the share of the calls that the most-called tool does not take"
+        self.choice = ToolCollapseAlarm(cfg.tool_collapse_alarm, cfg.tool_collapse_steps, "tool-choice collapse", rate)
+        self.failing = []  # pointers to the last dumped step's worst episodes, for the summary (`diagnose`)
         self.no_spread_said = False  # NO_SPREAD is said once a run
         if cfg.report_to == "wandb" and rank == 0:
             import wandb
@@ -2367,6 +2486,11 @@ class MetricsLogger:
         m.update(evaluated)
         warning = self.alarm.update(step, m.get("rollout/tool_rate_turn0", 0.0))
         m["alarm/tool_collapse"] = float(self.alarm.on)
+        shares = tool_shares(m)
+        choice = ""
+        if len(self.cfg.tools) > 1 and shares:  # a step without calls tells nothing about which tool they take
+            choice = self.choice.update(step, 1 - max(shares.values()))
+        m["alarm/tool_choice_collapse"] = float(self.choice.on)
         self.write_row(m)
         self.write(
             f"step {step:>4} | outcome {m['reward/outcome']:.3f} | turn {m['reward/turn']:.3f} | "
@@ -2376,17 +2500,22 @@ class MetricsLogger:
         )
         if warning:
             self.write(warning)
+        if choice:
+            self.write(f"{choice}; the calls' shares: {shares_text(shares)}")
         if not (m["adv/before_abs"] or m["adv/after_abs"] or self.no_spread_said):
             self.write(NO_SPREAD.format(step=step, outcome=m["reward/outcome"], turn=m["reward/turn"]))
             self.no_spread_said = True
         if dump:
+            records = [r for _, recs in gathered for r in recs]
             with open(os.path.join(self.cfg.output_dir, "episodes.jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for _, recs in gathered for r in recs)
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            self.failing = failing_episodes(records)
 
 
-def summarize(cfg: Config, history: list[dict]):
-    """The run's first and last trained steps, and each eval metric at its first and last evaluation (step 0, the
-    model before training, when the run evaluated it)."""
+def summarize(cfg: Config, history: list[dict], failing: list[str] = ()):
+    """The run's first and last trained steps (the rewards, each reward function's, the tool calls and the share of
+    them that failed), each eval metric at its first and last evaluation (step 0, the model before training, when the
+    run evaluated it), and why the run may not be learning, where it is so (`diagnose`)."""
     steps = [h for h in history if h["step"] > 0]  # the trained steps: a row at step 0 is an evaluation only
     if not steps:
         print(f"[mt-grpo] nothing to do: the run is already at max_steps={cfg.max_steps}. Files: {cfg.output_dir}")
@@ -2397,15 +2526,24 @@ def summarize(cfg: Config, history: list[dict]):
     else:
         k = 1
         print(f"\n[mt-grpo] before/after: step {steps[0]['step']} -> step {steps[-1]['step']}:")
-    for key in ("reward/outcome", "reward/turn", "rollout/tool_calls"):
-        first, last = (np.mean([h[key] for h in hs]) for hs in (steps[:k], steps[-k:]))
+    first = window_means(steps[:k])
+    last = window_means(steps[-k:])
+    functions = [key for key in steps[-1] if key.startswith("reward/") and key not in SUMMED_REWARDS]
+    keys = ["reward/outcome", "reward/turn", *functions, "rollout/tool_calls", "rollout/tool_error_rate"]
+    keys = [key for key in keys if all(key in h for h in steps)]  # a run logged before a key existed has none
+    width = max([22, *map(len, keys)])
+    for key in keys:
         start = f"{steps[0][key]:.3f} | " if k > 1 else ""
-        print(f"  {key:<22} {start}{first:.3f} -> {last:.3f}")
+        print(f"  {key:<{width}} {start}{first[key]:.3f} -> {last[key]:.3f}")
     for key in sorted({k for h in history for k in h if k.startswith("eval/")}):
         evals = [h for h in history if key in h]
         ends = evals[:1] + evals[1:][-1:]  # the first and the last, each once
         print(f"  {key:<22} " + " -> ".join(f"{h[key]:.3f} (step {h['step']})" for h in ends))
     print(f"  total time {sum(h['time/step'] for h in steps):.0f} s")
+    reasons = diagnose(cfg, first, last, k, failing)
+    if reasons:
+        print(f"[mt-grpo] why it may not be learning (the last {k} steps against the first):")
+        print("\n".join(f"  - {line}" for line in reasons))
     files = "config.yaml, metrics.jsonl, episodes.jsonl, checkpoint-*/"
     if len(history) > 1:  # a picture of the run (bash run.sh plot RUN_DIR ... draws several runs on one)
         try:
@@ -2421,6 +2559,49 @@ def summarize(cfg: Config, history: list[dict]):
     print(f"[mt-grpo] run files in {cfg.output_dir}: {files}")
     if report:
         print(f"[mt-grpo] open {report}: the curves, evaluations, and episodes shaded by advantage (run.sh show)")
+
+
+SUMMED_REWARDS = ("reward/turn", "reward/outcome", "reward/outcome_before_filter")  # not a reward function's
+
+
+def window_means(steps: list[dict]) -> dict[str, float]:
+    """Each metric's mean over these steps (a step without it counts 0, as a tool not called that step)."""
+    keys = {key for h in steps for key in h}
+    return {key: float(np.mean([h.get(key, 0.0) for h in steps])) for key in keys}
+
+
+def diagnose(cfg: Config, first: dict, last: dict, k: int, failing: list[str]) -> list[str]:
+    """Why a run may not be learning, from its first and last k trained steps' means, each reason only where it is
+    so: most groups without reward spread, tool errors, one tool taking nearly every call of several, a turn reward
+    that rises while the outcome does not; and, with any of them, where to look (`failing_episodes`)."""
+    lines = []
+    if last.get("adv/groups_without_spread", 0.0) > 0.5:
+        lines.append(
+            f"{last['adv/groups_without_spread']:.0%} of the groups had no reward spread (every episode of the prompt "
+            "scored the same), so they taught nothing: the model cannot yet earn different rewards on this task (a "
+            "warm start, few-shot examples or partial credit: docs/your-task.md)"
+        )
+    if last.get("rollout/tool_error_rate", 0.0) >= 0.1:
+        lines.append(
+            f"tool errors: {last['rollout/tool_error_rate']:.0%} of the calls ({last['rollout/tool_calls']:.2f} "
+            "calls an episode) were bad JSON, an unknown tool, or a tool that raised or returned None"
+        )
+    shares = tool_shares(last)
+    if len(cfg.tools) > 1 and shares and max(shares.values()) >= 0.9:
+        lines.append(
+            f"tool-choice collapse: one of the {len(cfg.tools)} tools takes nearly every call: {shares_text(shares)}"
+        )
+    rise = last["reward/turn"] - first["reward/turn"]
+    gain = last["reward/outcome"] - first["reward/outcome"]
+    if k > 1 and rise >= 0.1 and gain < rise / 4:
+        lines.append(
+            f"the turn reward rose {first['reward/turn']:.3f} -> {last['reward/turn']:.3f} while the outcome did not "
+            f"({first['reward/outcome']:.3f} -> {last['reward/outcome']:.3f}): what the turn reward pays for (a call "
+            "that runs, a tool named) does not lead to the answer"
+        )
+    if lines and failing:
+        lines.append(f"where to look, in {os.path.join(cfg.output_dir, 'episodes.jsonl')}: {'; '.join(failing)}")
+    return lines
 
 
 # === C. Samplers: token ids in, sampled token ids + logprobs + finish reason out =========

@@ -5,7 +5,8 @@
 Each RUN_DIR is a run folder with its metrics.jsonl. FILE defaults to RUN_DIR/curves.png for one run and to
 curves.png in the working folder for several. A run writes its own curves.png when it ends (`summarize`).
 Per-step values are drawn faint, with their trailing mean over a twentieth of the run on top; eval points as dots,
-from step 0 (the model before training) when the run evaluated it.
+from step 0 (the model before training) when the run evaluated it; an eval metric whose values all lie in [0, 1] (a
+share, or a reward that is one) on an axis from 0 to 1.
 """
 
 import json
@@ -73,6 +74,9 @@ def plot(run_dirs: list[str], out: str) -> str:
                 continue
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
             ax.plot(steps, trailing_mean(values, max(1, len(values) // 20)), color=color, linewidth=2, label=name)
+        drawn = [r[key] for rows in runs.values() for r in rows if key in r]
+        if key.startswith("eval/") and drawn and all(0 <= v <= 1 for v in drawn):
+            ax.set_ylim(0, 1)  # a rate, on its whole range: auto-scaled, 0.945 -> 0.969 would look like a leap
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_xlim(0, last + 1)

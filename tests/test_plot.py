@@ -83,3 +83,25 @@ def test_the_eval_panels_start_at_step_0_and_the_summary_compares_it_with_the_la
     panels = {ax.get_title(): ax for ax in figures[0].axes}
     assert list(panels["eval: exact_answer_reward (greedy)"].lines[0].get_xdata()) == [0, 2, 4]
     assert list(panels["outcome reward"].lines[0].get_xdata()) == [1, 2, 3, 4], "trained steps only"
+
+
+@pytest.mark.parametrize("top", [0.969, 2.0])
+def test_an_eval_rate_is_drawn_on_its_whole_range_and_another_metric_on_its_own(tmp_path, monkeypatch, top):
+    """Greedy held-out exact answers of 0.945 then 0.969, auto-scaled, fill the panel like a leap from 0 to 1: a metric
+    whose values all lie in [0, 1] gets the axis 0-1; one that leaves it (a reward summed over turns) keeps its own."""
+    import matplotlib.pyplot as plt
+
+    from plot import plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    write_run(tmp_path / "run", 4, 1.0, eval_every=2)
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # after the torn line: the reader skips that one only
+        f.write("\n" + json.dumps({"step": 2, "eval/greedy_exact_answer_reward": 0.945}) + "\n")
+        f.write(json.dumps({"step": 4, "eval/greedy_exact_answer_reward": top}) + "\n")
+    plot([str(tmp_path / "run")], str(tmp_path / "curves.png"))
+    panels = {ax.get_title(): ax for ax in figures[0].axes}
+    greedy = panels["eval: greedy_exact_answer_reward (greedy)"].get_ylim()
+    assert (greedy == (0, 1)) == (top <= 1), greedy
+    assert panels["eval: exact_answer_reward (greedy)"].get_ylim() == (0, 1)
+    assert panels["turn reward"].get_ylim() != (0, 1), "training panels keep their own scale"

@@ -160,6 +160,19 @@ def test_a_model_builder_that_does_not_import_is_one_line_before_the_server_star
     assert "builder.py" in r.stderr and "SyntaxError" in r.stderr and not (tmp_path / "launched").exists()
 
 
+def test_a_model_whose_builder_changed_is_one_line_before_the_server_starts(tmp_path):
+    """The server would load the model folder as it is: run.sh checks what built it first (build_report.json)."""
+    bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
+    (tmp_path / "builder.py").write_text("def build(path, system_prompt):\n    open(path + '/weights', 'w').close()\n")
+    model = [f"model_name_or_path={tmp_path}/m", f"model_builder={tmp_path}/builder.py:build"]
+    M.build_model_if_missing(M.load_config("hf_recipes/toy/toy-kv--mt-grpo.yaml", model), print)
+    (tmp_path / "builder.py").write_text("def build(path, system_prompt):\n    pass\n")
+    r = run_sh(tmp_path, bin_dir, M.free_port(), "hf_recipes/toy/toy-kv--mt-grpo.yaml", *model, timeout=120)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert f"{tmp_path}/m was built by another model_builder" in r.stderr and "(changed since: builder.py)" in r.stderr
+    assert not (tmp_path / "launched").exists()
+
+
 def test_an_nvidia_smi_that_fails_is_said_not_taken_silently_for_no_gpu(tmp_path):
     bin_dir = fake_bin(tmp_path, f"#!/bin/sh\ntouch {tmp_path}/launched\n")
     (bin_dir / "nvidia-smi").write_text(
@@ -654,15 +667,56 @@ def test_run_sh_takes_torch_from_the_cpu_index_where_there_is_no_gpu(tmp_path, g
     installs = [c for c in calls if c[:3] == ["-m", "pip", "install"]]
     if gpu:
         assert len(installs) == 1 and installs[0][-1] == os.path.join(ROOT, "requirements-gpu.txt")
-        assert "--extra-index-url" not in installs[0]
+        assert "--index-url" not in installs[0]
     else:
         torch_pin = [c for c in installs if "torch==2.13.0" in c]
         assert len(installs) == 2 and installs[0] == torch_pin[0], installs
-        assert installs[0][installs[0].index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
-        assert "--no-deps" in installs[0]
+        # only the CPU index: with --extra-index-url, one pip cannot reach falls back to PyPI's CUDA build, silently
+        assert installs[0][installs[0].index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+        assert "--no-deps" in installs[0] and "--extra-index-url" not in installs[0]
         assert installs[1][-2:] == ["-r", os.path.join(ROOT, "requirements.txt")]
-        assert "--extra-index-url" not in installs[1]
+        assert "--index-url" not in installs[1]
     assert calls[-1] == [os.path.join(ROOT, "mt_grpo_trainer.py"), "--help"]  # run from another folder
+
+
+@pytest.mark.parametrize("failure", ["index unreachable", "not the cpu build"])
+def test_run_sh_says_in_one_line_what_to_do_when_torch_is_not_the_cpu_build(tmp_path, failure):
+    """PyTorch's CPU index out of reach (a proxy, no network) fails the torch step; a torch that is not +cpu after the
+    install (pip took it from elsewhere) fails the check after it: each one line that says what to do, and the
+    requirements are not marked installed, so the next run tries again."""
+    log = tmp_path / "calls"
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    pip_rc = 1 if failure == "index unreachable" else 0
+    python.write_text(
+        '#!/bin/sh\ncase "$1" in\n'
+        '  -c) case "$2" in *importlib.metadata*) echo "2.13.0" >&2; exit 1;; esac; exit 0;;\n'
+        "  --version) echo Python 3.11.9; exit;;\nesac\n"
+        f'echo "$*" >> {log}\n'
+        f'case "$*" in *--index-url*) echo "ERROR: No matching distribution found for torch==2.13.0" >&2; exit {pip_rc};; esac\n'
+    )
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    bin_dir = fake_bin(tmp_path, "#!/bin/sh\nexit 1\n")
+    (bin_dir / "nvidia-smi").unlink()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MTGRPO_VENV": str(tmp_path / "venv")}
+    env.pop("MTGRPO_TORCH_INDEX", None)
+    env.pop("MTGRPO_REQUIREMENTS", None)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "run.sh"), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    ours = [line for line in r.stderr.splitlines() if line.startswith("[run.sh]")]
+    assert r.returncode == 1 and len(ours) == 1 and r.stderr.splitlines()[-1] == ours[0], r.stderr
+    index = "https://download.pytorch.org/whl/cpu"
+    installs = [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+    if failure == "index unreachable":
+        assert f"torch did not install from PyTorch's CPU index {index}" in ours[0]
+        assert all(w in ours[0] for w in ("HTTPS_PROXY", "MTGRPO_TORCH_INDEX to a mirror", "MTGRPO_TORCH_INDEX= to"))
+        assert len(installs) == 1, "nothing else is installed without torch"
+    else:
+        assert f"{python} has torch 2.13.0, not PyTorch's CPU build (+cpu)" in ours[0], ours[0]
+        fix = f"{python} -m pip install --force-reinstall --no-deps --index-url {index} torch==2.13.0"
+        assert ours[0].endswith(fix), ours[0]
+    assert not (tmp_path / "venv" / ".requirements.sha256").exists()
 
 
 def test_run_sh_needs_python_3_11_and_says_so_in_one_line(tmp_path):

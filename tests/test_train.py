@@ -172,7 +172,8 @@ def test_runs_started_together_build_a_missing_model_once(tmp_path):
     assert [p.returncode for p in (first, second)] == [0, 0]
     assert waited, f"the second run did not wait for the first: {outs[1]}"
     assert len(list(tmp_path.glob("built-by-*"))) == 1, "the model was built once"
-    assert os.listdir(tmp_path / "model") == ["weights"] and not (tmp_path / "model.tmp").exists()
+    assert sorted(os.listdir(tmp_path / "model")) == ["build_report.json", "weights"]
+    assert not (tmp_path / "model.tmp").exists()
     assert "building" not in outs[1], "the second run does not say it builds"
 
 
