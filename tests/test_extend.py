@@ -67,7 +67,7 @@ def test_a_registered_advantage_mode_and_loss_aggregation_train_a_step(tmp_path,
     calls = []
     monkeypatch.setitem(M.ADVANTAGE_MODES, "positive_only", lambda *a: calls.append(a) or positive_only(*a))
     monkeypatch.setitem(M.LOSS_AGGREGATIONS, "sum_over_tokens", sum_over_tokens)
-    with pytest.raises(M.ConfigError, match="one of mt_grpo, .*, tree, positive_only"):
+    with pytest.raises(M.ConfigError, match="one of mt_grpo, .*, state_matched, positive_only"):
         run_cfg(tmp_path, tiny_model_dir, "x", "advantage_mode=nope")
     hist = M.train(
         run_cfg(

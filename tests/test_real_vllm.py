@@ -169,10 +169,10 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
     follows, n = mean_abs_diff(changed, outs, prompts, 1.0)
     stale, _ = mean_abs_diff(model, outs, prompts, 1.0)
     assert follows < AGREE < 10 * AGREE < stale, (follows, stale, n)
-    # The trainer's own checks after every sync, on the warm-started model at a learning rate whose one-step change on
-    # the probe is below the bf16 gap (and far below sync_check_max_diff, the bound that gap needs): a sync is judged
-    # once the change since the last judged one is about twice the gap (every 3-4 steps here) and passes when the
-    # weights arrive, also with requests in flight (max_staleness 1) ...
+    # The trainer's own checks after every sync, on the warm-started model at learning rates whose first one-step
+    # changes on the probe are below the bf16 gap (and far below sync_check_max_diff, the bound that gap needs), then
+    # grow (a warmup from 1e-5 to 8e-5): a sync is judged once the change since the last judged one is about twice
+    # the gap, and passes when the weights arrive, also with requests in flight (max_staleness 1) ...
     serve(client, model, 4)
     common = [
         moving_run(tmp_path, real_vllm.model_dir)[0],  # rewards 0, 1, 0, 1 in every group: every step moves the weights
@@ -182,9 +182,11 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
         f"weight_sync_dir={tmp_path}/shm",
         "prompts_per_step=4",  # a step whose every group sampled 4 equal episodes would not move the weights
         "num_generations=4",
-        "learning_rate=2e-5",
+        "learning_rate=8e-5",
+        "lr_scheduler=constant",
+        "warmup_steps=7",  # step k at (k + 1) / 8 of it: 1e-5 at the first, 2e-5 at the second (the skip below)
         "log_episodes_steps=0",
-        "max_steps=6",
+        "max_steps=8",
     ]
     hist = M.train(recipe_cfg(tmp_path, *common, "max_staleness=1", f"output_dir={tmp_path}/synced"))
     for m in hist:
@@ -192,7 +194,8 @@ def test_a_weight_sync_takes_and_its_check_catches_a_skipped_one(real_vllm, toy,
         assert m["sync/probe_logprob_diff"] < M.Config.sync_check_max_diff
         assert abs(m.get("sync/probe_follow", 1) - 1) < 0.5, "where judged, the server's moved as the trainer's did"
     # The server samples unseeded (its probe texts, every step's batch), so one step's change varies from run to run
-    # (0.003-0.006 against a gap of about 0.0055): what is asserted is that both paths ran, not a step's size.
+    # (0.003-0.006 at 2e-5 against a gap of about 0.0055; at a constant 2e-5 six steps once ended with 0.010 added up,
+    # none judged): what is asserted is that both paths ran, not a step's size.
     assert any("sync/probe_follow" not in m for m in hist), "a sync too small to judge: its change adds up"
     assert any("sync/probe_follow" in m for m in hist), "judged once the change since the last judged is large enough"
     # ... and stop the run at the first sync whose reload did nothing (skipped after step 1).
