@@ -73,7 +73,6 @@ per-seed figures in RUNS_DIR/results.json; runs in bench/runs/credit-at-equal-to
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -81,7 +80,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import turn_credit as TC  # noqa: E402
-from paired_stats import compare, comparison_line  # noqa: E402
 from seed_runs import ROOT, train_all, trained_steps  # noqa: E402
 
 G12 = "num_generations=12"
@@ -152,21 +150,9 @@ def main(argv=None):
         run_dir = os.path.join(runs_dir, f"{m}-seed{s}")
         fig[(m, s)] = TC.run_figures(run_dir, w, 4, eval_rows)
         fig[(m, s)]["match_rates"] = match_rates(run_dir)
-    diffs = {}
-    for a, b in planned:
-        if a in methods and b in methods:
-            name = f"{METHODS[a][0]} > {METHODS[b][0]}"
-            diffs[name] = [fig[(a, s)]["primary"] - fig[(b, s)]["primary"] for s in args.seeds]
-    results = compare(diffs)
-    with open(os.path.join(runs_dir, "results.json"), "w") as f:
-        per_seed = {f"{m}-seed{s}": v for (m, s), v in fig.items()}
-        json.dump({"args": vars(args), "runs": per_seed, "comparisons": results}, f, indent=1)
     labels = {m: METHODS[m][0] for m in methods}
-    print("\n" + TC.tables(fig, args.seeds, methods, labels))
-    print("\n" + cost_and_matches(fig, args.seeds, methods, labels))
-    print(f"\nPer-seed figures: {os.path.join(runs_dir, 'results.json')}\n")
-    for name, c in results.items():
-        print(comparison_line(name, c))
+    tables = [TC.tables(fig, args.seeds, methods, labels), cost_and_matches(fig, args.seeds, methods, labels)]
+    TC.report(args, runs_dir, fig, methods, labels, planned, tables)
 
 
 def cost_and_matches(fig: dict, seeds: list[int], methods: list[str], labels: dict) -> str:

@@ -180,16 +180,23 @@ def main(argv=None):
     fig = {
         k: run_figures(os.path.join(runs_dir, f"{k[0]}-seed{k[1]}"), w, args.hops, eval_rows) for k, w in walls.items()
     }
-    planned = {}
-    for a, b in PLANNED:
+    labels = {m: METHODS[m][0] for m in methods}
+    report(args, runs_dir, fig, methods, labels, PLANNED, [tables(fig, args.seeds, methods, labels)])
+
+
+def report(args, runs_dir: str, fig: dict, methods: list[str], labels: dict, planned: list, printed: list[str]):
+    """The planned comparisons that both methods ran (paired by seed on the primary metric), RUNS_DIR/results.json,
+    then the tables in `printed` and the comparison lines last (bench/credit_at_equal_tokens.py's too)."""
+    diffs = {}
+    for a, b in planned:
         if a in methods and b in methods:
-            name = f"{METHODS[a][0]} > {METHODS[b][0]}"
-            planned[name] = [fig[(a, s)]["primary"] - fig[(b, s)]["primary"] for s in args.seeds]
-    results = compare(planned)
+            diffs[f"{labels[a]} > {labels[b]}"] = [fig[(a, s)]["primary"] - fig[(b, s)]["primary"] for s in args.seeds]
+    results = compare(diffs)
     with open(os.path.join(runs_dir, "results.json"), "w") as f:
         per_seed = {f"{m}-seed{s}": v for (m, s), v in fig.items()}
         json.dump({"args": vars(args), "runs": per_seed, "comparisons": results}, f, indent=1)
-    print("\n" + tables(fig, args.seeds, methods))
+    for table in printed:
+        print("\n" + table)
     print(f"\nPer-seed figures: {os.path.join(runs_dir, 'results.json')}\n")
     for name, c in results.items():
         print(comparison_line(name, c))
