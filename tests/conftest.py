@@ -39,6 +39,23 @@ def tok():
     return toy_tokenizer()
 
 
+def tiny_sizes(tok) -> dict:
+    """A tiny random model's config over the toy tokenizer (any family's config class takes these)."""
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tok):
     """A random-initialised 1-layer Qwen3 with the toy tokenizer (no warm-start): fast, real code paths.
@@ -46,22 +63,7 @@ def tiny_model_dir(tmp_path_factory, tok):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            max_position_embeddings=512,
-            tie_word_embeddings=True,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            bos_token_id=None,
-        )
-    )
+    model = Qwen3ForCausalLM(Qwen3Config(**tiny_sizes(tok), num_hidden_layers=1))
     path = tmp_path_factory.mktemp("tiny_model")
     model.save_pretrained(path)
     tok.save_pretrained(path)

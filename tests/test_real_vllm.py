@@ -33,6 +33,7 @@ from conftest import (
     server_layout_env,
     start_real_server,
     stop_real_server,
+    tiny_sizes,
     until,
     vllm_api_process,
 )
@@ -1079,21 +1080,7 @@ def test_a_mistral_model_with_a_sliding_window_trains_two_steps_through_the_real
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-        sliding_window=16,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
+    config = MistralConfig(**tiny_sizes(tok), num_hidden_layers=2, sliding_window=16)
     model_dir = tmp_path / "mistral"
     MistralForCausalLM(config).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
