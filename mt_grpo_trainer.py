@@ -4135,30 +4135,63 @@ def autocast(cfg: Config, device: torch.device):
 
 
 class DaemonPool:
-    """Worker threads for tool calls, reward functions and server requests. Daemons: a call that never returns is
-    abandoned with its worker (`wait` adds a fresh one), and none can keep the process from exiting."""
+    """Worker threads for tool calls, reward functions and server requests, at most `size`. Started as calls come and
+    gone after IDLE_EXIT seconds without one, so a pool holds no threads between runs. Daemons: a call that never
+    returns is abandoned with its worker (`wait` lets a fresh one take its place), and none keeps the process alive."""
+
+    IDLE_EXIT = 5.0
 
     def __init__(self, size: int):
+        self.size = size
         self.jobs = queue.SimpleQueue()
-        for _ in range(size):
-            self.add_worker()
+        self.lock = threading.Lock()
+        self.alive = 0
+        self.idle = 0  # workers waiting for a call, less the calls queued: below 0, calls wait for a worker
 
     def add_worker(self):
+        self.alive += 1
+        self.idle += 1
         threading.Thread(target=self.work, daemon=True, name="tool").start()
 
     def work(self):
         while True:
-            fn, kwargs, fut = self.jobs.get()
+            try:
+                fn, kwargs, fut = self.jobs.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                with self.lock:
+                    if self.idle > 0:  # more workers wait than calls are queued: this one may go
+                        self.idle -= 1
+                        self.alive -= 1
+                        return
+                continue
             fut.started = time.monotonic()  # a tool call is timed from here, not from when it was queued
             try:
                 fut.set_result(fn(**kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
+            with self.lock:
+                if getattr(fut, "abandoned", False):
+                    return  # `wait` gave up on it and already let a fresh worker take its place
+                self.idle += 1
 
     def submit(self, fn, **kwargs) -> concurrent.futures.Future:
         fut = concurrent.futures.Future()
-        self.jobs.put((fn, kwargs, fut))
+        with self.lock:
+            self.idle -= 1
+            self.jobs.put((fn, kwargs, fut))
+            if self.idle < 0 and self.alive < self.size:
+                self.add_worker()
         return fut
+
+    def abandon(self, fut: concurrent.futures.Future):
+        """Its worker may never come back: it leaves the count, and a fresh one starts if calls are waiting."""
+        with self.lock:
+            if fut.done():
+                return  # it came back after all: its worker is free again
+            fut.abandoned = True
+            self.alive -= 1
+            if self.idle < 0:
+                self.add_worker()
 
     def wait(self, fut: concurrent.futures.Future, timeout: float, stop_event: threading.Event | None = None):
         """A call's exception (None once it returned). TimeoutError once it has run `timeout` seconds since a worker
@@ -4171,10 +4204,10 @@ class DaemonPool:
                 return fut.exception(timeout=max(0.0, min(left, 0.05)))
             except concurrent.futures.TimeoutError:
                 if left <= 0.05:
-                    self.add_worker()
+                    self.abandon(fut)
                     raise
                 if stop_event is not None and stop_event.is_set():
-                    self.add_worker()
+                    self.abandon(fut)
                     raise Stopped(
                         "SIGTERM or Ctrl-C stopped the run while a reward function ran; saved checkpoints are unaffected"
                     ) from None

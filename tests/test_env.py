@@ -4,12 +4,13 @@ calls that are malformed, cut, raise, hang, flood or return what is not text, em
 
 import json
 import sys
+import threading
 import time
 
 import pytest
 
 import mt_grpo_trainer as M
-from conftest import HANG_S, recipe_cfg
+from conftest import HANG_S, recipe_cfg, until
 from tools.kv_lookup import TABLE
 
 
@@ -351,3 +352,31 @@ def test_tool_timeout_counts_from_when_a_worker_takes_the_call_not_from_the_queu
     eps = [env.new_episode({"prompt": "q"}) for _ in range(128)]
     results = env.run_tools([(ep, {"name": "nap", "args": {"x": "1"}}) for ep in eps])
     assert results == ["ok"] * 128 and sum(ep.tool_errors for ep in eps) == 0
+
+
+def test_a_pool_starts_workers_as_calls_come_and_they_leave_when_idle(monkeypatch):
+    """A pool holds at most its size in threads while calls run, and none once it sits idle: a process that builds
+    many runs (a sweep, a notebook, the test suite) does not collect hundreds of idle threads from each. A hung call's
+    worker is abandoned, and the calls queued behind it still run."""
+    monkeypatch.setattr(M.DaemonPool, "IDLE_EXIT", 0.2)
+    release = threading.Event()
+    pool = M.DaemonPool(4)
+
+    others = set(threading.enumerate())
+
+    def nap(secs: float):
+        time.sleep(secs)
+
+    def workers():
+        return sum(t.name == "tool" and t.is_alive() for t in set(threading.enumerate()) - others)
+
+    hung = pool.submit(release.wait)
+    with pytest.raises(TimeoutError):
+        pool.wait(hung, timeout=0.1)
+    futures = [pool.submit(nap, secs=0.05) for _ in range(16)]
+    assert workers() <= 5, "4 workers and the one abandoned"
+    assert all(pool.wait(f, timeout=5) is None for f in futures)
+    release.set()
+    until(lambda: workers() == 0, "the pool's threads to leave once idle")
+    assert pool.alive == 0 and pool.idle == 0
+    assert pool.wait(pool.submit(nap, secs=0.01), timeout=5) is None, "an emptied pool starts workers again"
