@@ -76,6 +76,12 @@ def records(out: str, step: int, greedy: bool) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def metrics(out: str) -> list[dict]:
+    """The run's metrics.jsonl: a line a step, and the step-0 evaluation's line first."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def mcnemar_greater(before: list[float], after: list[float]) -> float:
     """One-sided exact McNemar p that `after` is right more often than `before` (binomial on the changed prompts)."""
     gained = sum(b < a for b, a in zip(before, after))
@@ -95,15 +101,13 @@ def bootstrap_gain(before: list[float], after: list[float], resamples: int = 10_
 
 
 def report(runs: dict[str, str], last: int, rows: list[dict]):
-    print("\n| run | step | greedy exact | sampled exact | greedy lookup hit | greedy copied the result |")
-    print("|---|---|---|---|---|---|")
+    print("\n| run | step | greedy exact | sampled exact | greedy lookup hit | greedy copied the result | eval s |")
+    print("|---|---|---|---|---|---|---|")
     for name, out in runs.items():
-        with open(os.path.join(out, "eval", "metrics.jsonl")) as f:
-            evals = [json.loads(line) for line in f]
-        for m in evals:
+        for m in (m for m in metrics(out) if f"eval/greedy_{EXACT}" in m):
             cells = (m[f"eval/greedy_{EXACT}"], m[f"eval/{EXACT}"], m["eval/greedy_lookup_hit_reward"])
             cells += (m["eval/greedy_copied_result_reward"],)
-            print(f"| {name} | {m['step']} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+            print(f"| {name} | {m['step']} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {m['time/eval']:.0f} |")
     print(f"\nGreedy exact answer by phrasing, step 0 -> step {last}:\n")
     print("| run | " + " | ".join(f"`{p.format(part='P-1234', n='1234')}`" for p in PHRASINGS[1:]) + " |")
     print("|---|" + "---|" * (len(PHRASINGS) - 1))
@@ -120,8 +124,7 @@ def report(runs: dict[str, str], last: int, rows: list[dict]):
     print("| run | steps | " + " | ".join(k.removeprefix("time/") + " s" for k in TIMES) + " | step 1 s |")
     print("|---|---|" + "---|" * (len(TIMES) + 1))
     for name, out in runs.items():
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            ms = [json.loads(line) for line in f]
+        ms = [m for m in metrics(out) if "time/step" in m]
         later = ms[1:] or ms
         cells = [f"{sum(m.get(k, 0.0) for m in later) / len(later):.1f}" for k in TIMES]
         print(f"| {name} | {len(ms)} | " + " | ".join(cells) + f" | {ms[0]['time/step']:.1f} |")
