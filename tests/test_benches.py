@@ -106,6 +106,12 @@ SMOKE = {
             r"^MT-GRPO > GRPO-MR: \d+ of 1 seeds, p = ",
         )
     ],
+    "real_model.py": [
+        (
+            ["--steps 1 --eval-steps 1 --methods MT-GRPO --server-url {url} --out {tmp} --set", TOY, SMALL, FEW_EVALS],
+            r"^runs that learned: \d of 1$",
+        )
+    ],
     "rollout_throughput.py": [
         (["--episodes 16 --latency 0.05 --seq-episodes 1"], rf"^\| ours \| {NUM} \| {NUM}x \| {NUM}% \|$")
     ],
