@@ -3,8 +3,10 @@ pin the vLLM version of the CPU build the tests run and stay in step with the CP
 
 import glob
 import inspect
+import json
 import os
 import re
+import runpy
 
 import pytest
 
@@ -76,19 +78,28 @@ def test_gpu_requirements_pin_vllm_and_match_the_cpu_set_elsewhere():
 
 
 def test_the_docs_task_of_your_own_builds_its_model_beside_it_and_trains(tmp_path, monkeypatch):
-    """docs/your-task.md's two files as a user copies them (the warm-start cut to 4 steps), run from the folder
-    above them: the model is built beside the builder and a step trains."""
+    """docs/your-task.md's two files as a user copies them (the warm-start cut to 4 steps, the eval to 2 rows), run
+    from the folder above them: the model is built beside the builder, evaluated before training, and a step trains.
+    The eval rows are held out: none is a training row or a warm-start demonstration."""
     doc = open(os.path.join(ROOT, "docs", "your-task.md")).read()
     files = re.findall(r"<!-- recipe: (my_task/[\w.]+) -->\n```\w+\n(.*?)```", doc, re.S)
     assert [name for name, _ in files] == ["my_task/calc.py", "my_task/calc.yaml"]
     (tmp_path / "my_task").mkdir()
     for name, body in files:
         (tmp_path / name).write_text(body)
+    calc = runpy.run_path(str(tmp_path / "my_task" / "calc.py"))  # the builder as the guide writes it
+    seen = calc["rows"]() + calc["rows"](calc["WARM"]["demonstrations"], seed=calc["WARM"]["seed"] + 1)
+    held_out = [(r["a"], r["b"]) for r in calc["eval_rows"]()]
+    assert len(held_out) == 128 and not set(held_out) & {(r["a"], r["b"]) for r in seen}
     code = (tmp_path / "my_task" / "calc.py").read_text()
     quick = "WARM = dict(WARMSTART, steps=4, lookup_only_steps=2, demonstrations=64)"
-    (tmp_path / "my_task" / "calc.py").write_text(code.replace("WARM = dict(WARMSTART)", quick))
+    code, n = re.subn(r"^WARM = dict\(WARMSTART.*$", quick, code, flags=re.M)
+    assert n == 1, "calc.py sets WARM on one line, which this test shortens"
+    (tmp_path / "my_task" / "calc.py").write_text(code)
     monkeypatch.chdir(tmp_path)
-    overrides = ["max_steps=1", "prompts_per_step=2", "num_generations=2", f"output_dir={tmp_path}/run"]
-    M.train(M.load_config("my_task/calc.yaml", overrides))
-    assert (tmp_path / "my_task" / "models" / "calc" / "build_report.json").is_file()
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    overrides = ["max_steps=1", "prompts_per_step=2", "num_generations=2", "eval_max_examples=2"]
+    M.train(M.load_config("my_task/calc.yaml", overrides + [f"output_dir={tmp_path}/run"]))
+    report = json.loads((tmp_path / "my_task" / "models" / "calc" / "build_report.json").read_text())
+    assert report["warmstart"]["steps"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "eval/exact_answer_reward" in rows[0]
