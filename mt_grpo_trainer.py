@@ -5320,7 +5320,8 @@ class AgentEndpoint:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # headers and body are two writes: Nagle would hold the body for an ACK
+            wbufsize = 1 << 16  # a reply's headers and body in one write: each write waits for the interpreter lock
+            disable_nagle_algorithm = True  # a longer body goes in several writes: Nagle would hold one for an ACK
 
             def setup(self):
                 super().setup()

@@ -62,16 +62,31 @@ Part `overhead`
 Prediction: the harness costs more per call than the built-in environment, by milliseconds (one local HTTP round
 trip and a client call per turn); no size was fixed in advance.
 
+Added after the registered runs (issue 47): where an endpoint request's time goes. Each request's stages are timed in
+its handler thread (wall, and that thread's CPU), from `parse_request` to the reply written (STAGES). The endpoint's
+own cost: wall from `parse_request` to the start of the reply's last write, and the CPU of all stages, both less the
+wait in `SamplingQueue.sample`; that wait, less the generate time of the request's batch, is the batching window's,
+reported apart. Beside it, per request: the CPU of the harness (its threads in the
+trainer, or its worker processes' with agent_processes) and of the trainer's process. `--baseline KEY=VALUE ...` adds a
+second harness env with those overrides (another harness: `agent=FILE:fn`), and `--baseline-trainer FILE` one set up
+by another copy of the trainer; it is rolled out in turn with the others, so a change is compared before and after in
+one run.
+
 Output: the tables, then the learning part's comparison line last; per-run folders and results.json under
 bench/runs/agent-harness/ (learning/{builtin,harness}-seedS/, overhead/).
 """
 
 import argparse
 import collections
+import functools
+import http.server
 import json
 import os
+import socketserver
+import socket
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -82,7 +97,7 @@ from seed_runs import ROOT, read_jsonl, start_worker, train_all  # noqa: E402
 from server_vs_local import curve  # noqa: E402
 
 RECIPES = {"builtin": "hf_recipes/toy/toy-kv--mt-grpo.yaml", "harness": "hf_recipes/toy/toy-kv-agent--mt-grpo.yaml"}
-NAMES = {"builtin": "built-in environment", "harness": "agent harness"}
+NAMES = {"builtin": "built-in environment", "harness": "agent harness", "baseline": "harness (--baseline)"}
 RUNS_DIR = os.path.join(ROOT, "bench", "runs", "agent-harness")
 MARGIN = 0.10  # the equivalence margin on the steps 91-100 outcome reward
 KEY = "golf"  # the scripted sampler's lookup
@@ -95,6 +110,20 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=100, help="learning: training steps per run")
     ap.add_argument("--jobs", type=int, default=2, help="learning: trainers at once, one thread each")
     ap.add_argument("--repeats", type=int, default=10, help="overhead: rollouts of each env per variant")
+    ap.add_argument(
+        "--baseline",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overhead: a second harness env with these overrides (e.g. another harness, agent=FILE:fn), rolled out "
+        "alternately with the others, to compare before and after a change in one run",
+    )
+    ap.add_argument(
+        "--baseline-trainer",
+        metavar="FILE",
+        help="overhead: the baseline harness env from another copy of the trainer (`git show REV:mt_grpo_trainer.py "
+        "> FILE`), to compare a change of the endpoint before and after in one run",
+    )
     ap.add_argument("--out", default=RUNS_DIR, help="the runs and results.json")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides of every run")
     args = ap.parse_args(argv)
@@ -232,6 +261,7 @@ class Timed:
 
     def reset(self):
         self.seconds, self.turns, self.calls = 0.0, 0, 0
+        self.prompt_seconds = 0.0  # each prompt's batch's generate time, summed over prompts
 
     def generate(self, prompts, max_tokens, **kw):
         t0 = time.perf_counter()
@@ -239,6 +269,7 @@ class Timed:
             return self.sampler.generate(prompts, max_tokens, **kw)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.prompt_seconds += (time.perf_counter() - t0) * len(prompts)
             self.turns += len(prompts)
             self.calls += 1
 
@@ -270,12 +301,155 @@ class Scripted:
         return outs
 
 
-def timed_rollout(run, sampler: Timed, rows: list[dict]) -> dict:
+# Where a request's time goes (added for issue 47, after the registered runs): each stage's exclusive wall and CPU
+# (its thread's) seconds, over the requests of a rollout. A request runs in its handler thread from `parse_request` (its
+# headers; the request line before it is read while the connection waits) to the end of `handle_one_request`.
+STAGES = {  # (class or None for a module function, name) -> stage; a stage not named here is its caller's
+    ("AgentEndpoint", "handle"): "reply: JSON, HTTP write",
+    ("AgentEndpoint", "answer"): "parse: route, JSON body",
+    ("AgentEndpoint", "turn"): "turn: lock, bookkeeping",
+    ("AgentEnv", "turn"): "turn: lock, bookkeeping",
+    ("AgentEnv", "replay_or_branch"): "turn: lock, bookkeeping",
+    ("AgentEnv", "request_budget"): "validate: fields, messages",
+    ("AgentEnv", "messages_from"): "validate: fields, messages",
+    (None, "chat_request"): "validate: fields, messages",
+    ("MultiTurnToolEnv", "next_prompt"): "next_prompt: bridge, render",
+    ("ChatTemplate", "enc"): "next_prompt: tokenize",
+    ("SamplingQueue", "sample"): "wait: batch, generate",
+    ("MultiTurnToolEnv", "step"): "step: decode, parse the turn",
+    (None, "completion_body"): "reply: build the body",
+    (None, "response_body"): "reply: build the body",
+    (None, "server_sent"): "reply: build the body",
+}
+HTTP = "HTTP: headers, body read, reply flushed"  # the request's own frame: from parse_request to the flush after do_*
+WAIT = STAGES[("SamplingQueue", "sample")]
+
+
+class Stages:
+    """Wraps the trainer module's endpoint methods (STAGES) and the standard library's `parse_request` and socket
+    writes, and sums the time of each stage over the requests since `reset`. Only a request's handler thread is
+    counted. A request's reply is sent at its last write's start: what that write waits for after it has handed its
+    bytes to the kernel (the interpreter lock back) is counted apart, as the harness does not wait for it."""
+
+    def __init__(self, modules: list):
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.reset()
+        for M in modules:
+            for (cls, name), stage in STAGES.items():
+                owner = getattr(M, cls) if cls else M
+                setattr(owner, name, self.wrap(getattr(owner, name), stage))
+            M.run_harness = self.harness(M.run_harness)
+        handler = http.server.BaseHTTPRequestHandler
+        handler.parse_request = self.begin(handler.parse_request)
+        handler.handle_one_request = self.end(handler.handle_one_request)
+        socketserver._SocketWriter.write = self.sending(socketserver._SocketWriter.write)  # an unbuffered wfile
+        socket.SocketIO.write = self.sending(socket.SocketIO.write)  # a buffered one's
+
+    def reset(self):
+        self.wall = collections.Counter()
+        self.cpu = collections.Counter()
+        self.requests = 0
+        self.to_sent = 0.0  # from each request's start to its reply's last write
+        self.after_sent = 0.0  # from that write to the request's end
+        self.harness_cpu = 0.0  # the CPU seconds of harness threads in this process (harnesses in threads)
+
+    def begin(self, fn):
+        @functools.wraps(fn)
+        def parse_request(handler):
+            self.local.stack = [[HTTP, time.perf_counter(), time.thread_time(), 0.0, 0.0]]
+            self.local.sent = None
+            return fn(handler)
+
+        return parse_request
+
+    def end(self, fn):
+        @functools.wraps(fn)
+        def handle_one_request(handler):
+            try:
+                return fn(handler)
+            finally:
+                stack = getattr(self.local, "stack", None)
+                if stack:  # the reply is written and flushed: the request ends
+                    self.pop(stack)
+
+        return handle_one_request
+
+    def sending(self, fn):
+        @functools.wraps(fn)
+        def write(writer, data):
+            self.local.sent = time.perf_counter()
+            return fn(writer, data)
+
+        return write
+
+    def wrap(self, fn, stage):
+        @functools.wraps(fn)
+        def timed(*args, **kw):
+            stack = getattr(self.local, "stack", None)
+            if not stack:
+                return fn(*args, **kw)
+            stack.append([stage, time.perf_counter(), time.thread_time(), 0.0, 0.0])
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.pop(stack)
+
+        return timed
+
+    def pop(self, stack):
+        stage, wall0, cpu0, child_wall, child_cpu = stack.pop()
+        end = time.perf_counter()
+        cpu = time.thread_time() - cpu0
+        with self.lock:
+            self.wall[stage] += end - wall0 - child_wall
+            self.cpu[stage] += cpu - child_cpu
+            if stage == HTTP:
+                sent = self.local.sent or end
+                self.requests += 1
+                self.to_sent += sent - wall0
+                self.after_sent += end - sent
+        if stack:
+            stack[-1][3] += end - wall0
+            stack[-1][4] += cpu
+
+    def harness(self, fn):
+        @functools.wraps(fn)
+        def run_harness(*args):
+            cpu0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                with self.lock:
+                    self.harness_cpu += time.thread_time() - cpu0
+
+        return run_harness
+
+
+def worker_cpu(env) -> float:
+    """The CPU seconds so far of the harness worker processes (agent_processes) that are alive."""
+    total = 0.0
+    workers = getattr(env, "workers", None)
+    for worker in workers.workers if workers else ():
+        try:
+            with open(f"/proc/{worker.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def timed_rollout(run, sampler: Timed, rows: list[dict], stages: Stages | None = None) -> dict:
     sampler.reset()
+    if stages:
+        stages.reset()
+    workers0 = worker_cpu(run.env)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     eps = run.env.rollout(rows, sampler, run.generator(0))
     wall = time.perf_counter() - t0
-    return {
+    out = {
         "rollout_s": wall,
         "generate_s": sampler.seconds,
         "turns": sampler.turns,
@@ -284,6 +458,19 @@ def timed_rollout(run, sampler: Timed, rows: list[dict]) -> dict:
         "per_call_ms": 1000 * (wall - sampler.seconds) / sampler.turns,
         "agent": getattr(run.env, "stats", dict)(),
     }
+    if stages and stages.requests:  # ms per request
+        per = lambda x: 1000 * x / stages.requests  # noqa: E731
+        out["requests"] = stages.requests
+        out["process_cpu_ms"] = per(time.process_time() - cpu0)
+        out["harness_cpu_ms"] = per(stages.harness_cpu + worker_cpu(run.env) - workers0)
+        out["stage_wall_ms"] = {k: per(v) for k, v in stages.wall.items()}
+        out["stage_cpu_ms"] = {k: per(v) for k, v in stages.cpu.items()}
+        # the wait less the generate time of the batch each request was in: the batching window, and the GIL
+        out["batch_wait_ms"] = per(stages.wall[WAIT] - sampler.prompt_seconds)
+        out["own_wall_ms"] = per(stages.to_sent - stages.wall[WAIT])  # from the request to its reply sent
+        out["own_cpu_ms"] = per(sum(stages.cpu.values()) - stages.cpu[WAIT])
+        out["after_sent_ms"] = per(stages.after_sent)
+    return out
 
 
 def quartiles(xs: list[float]) -> str:
@@ -295,8 +482,7 @@ def overhead_table(results: dict) -> str:
     out = ["| variant | env | rollout s | generate s | turns | generate calls | ms per call, median [IQR] |"]
     out += ["|---|---|---|---|---|---|---|"]
     for variant, by_env in results.items():
-        for m in RECIPES:
-            rs = by_env[m]
+        for m, rs in by_env.items():
             med = {k: statistics.median(r[k] for r in rs) for k in ("rollout_s", "generate_s", "turns", "calls")}
             out.append(
                 f"| {variant} | {NAMES[m]} | {med['rollout_s']:.3f} | {med['generate_s']:.3f} | {med['turns']:.0f} | "
@@ -307,16 +493,70 @@ def overhead_table(results: dict) -> str:
     return "\n".join(out)
 
 
+def stage_table(results: dict) -> str:
+    """Per request of the endpoint, ms, medians over the rollouts: each stage's wall and CPU (its handler thread's);
+    the endpoint's own cost, wall from the request to its reply sent and CPU of all stages, both less the wait; the
+    time after the reply is sent; the batching wait; and the CPU of the harness and of the trainer's process."""
+    envs = [(variant, m, rs) for variant, by_env in results.items() for m, rs in by_env.items() if "requests" in rs[0]]
+    med = lambda rs, key: statistics.median(key(r) for r in rs)  # noqa: E731
+    out = ["| ms per request, wall / CPU | " + " | ".join(f"{v} {NAMES[m]}" for v, m, _ in envs) + " |"]
+    out += ["|---|" + "---|" * len(envs)]
+    for stage in dict.fromkeys([HTTP, *STAGES.values()]):
+        if stage == WAIT:
+            continue
+        wall = [med(rs, lambda r: r["stage_wall_ms"].get(stage, 0)) for _, _, rs in envs]
+        cpu = [med(rs, lambda r: r["stage_cpu_ms"].get(stage, 0)) for _, _, rs in envs]
+        out.append(f"| {stage} | " + " | ".join(f"{w:.2f} / {c:.2f}" for w, c in zip(wall, cpu)) + " |")
+    wall = [med(rs, lambda r: r["own_wall_ms"]) for _, _, rs in envs]
+    cpu = [med(rs, lambda r: r["own_cpu_ms"]) for _, _, rs in envs]
+    cells = [f"**{w:.2f} / {c:.2f}**" for w, c in zip(wall, cpu)]
+    out.append("| **the endpoint's own cost** (wall: to the reply sent) | " + " | ".join(cells) + " |")
+    rows = {
+        "after the reply is sent: its write gets the interpreter lock back": "after_sent_ms",
+        "wait: the batching window (the wait less generate)": "batch_wait_ms",
+        "harness: its threads' or worker processes' CPU": "harness_cpu_ms",
+        "the trainer process's CPU": "process_cpu_ms",
+    }
+    for name, key in rows.items():
+        out.append(f"| {name} | " + " | ".join(f"{med(rs, lambda r: r[key]):.2f}" for _, _, rs in envs) + " |")
+    return "\n".join(out)
+
+
+def load_trainer(path: str):
+    """Another copy of the trainer, as a module of its own."""
+    import importlib.util
+    import itertools
+
+    spec = importlib.util.spec_from_file_location("mt_grpo_baseline", path)
+    B = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = B  # its dataclasses look their module up
+    spec.loader.exec_module(B)
+    B.SESSIONS = itertools.count(10**9)  # the scripted sampler scripts by session: none shared with this trainer's
+    return B
+
+
 def overhead(args):
     start_worker()  # one torch thread, as a trainer of the learning part
     import mt_grpo_trainer as M
 
     out = os.path.join(args.out, "overhead" if args.repeats == 10 else f"overhead-{args.repeats}-repeats")
+    recipes = dict(RECIPES)
+    if args.baseline or args.baseline_trainer:
+        recipes["baseline"] = RECIPES["harness"]
+    B = M  # the baseline's trainer
+    if args.baseline_trainer:
+        B = load_trainer(args.baseline_trainer)
     runs = {}
     try:
-        for m, recipe in RECIPES.items():
+        for m, recipe in recipes.items():
             overrides = ["seed=0", f"output_dir={out}/{m}", "resume_from_checkpoint=", "log_episodes_steps=0"]
-            runs[m] = M.setup(M.load_config(recipe, [*overrides, "eval_steps=0", *args.set]))
+            overrides += ["eval_steps=0", *args.set]
+            trainer = M
+            if m == "baseline":
+                overrides += args.baseline
+                trainer = B
+            runs[m] = trainer.setup(trainer.load_config(recipe, overrides))
+        stages = Stages(list(dict.fromkeys([M, B])))
         rows = runs["builtin"].batch(0)
         samplers = {
             "sampled": Timed(runs["builtin"].sampler),
@@ -324,17 +564,21 @@ def overhead(args):
         }
         results = {}
         for variant, sampler in samplers.items():
-            for m in RECIPES:  # a warm-up rollout of each, not counted
+            for m in runs:  # a warm-up rollout of each, not counted
                 timed_rollout(runs[m], sampler, rows)
-            results[variant] = {m: [] for m in RECIPES}
+            results[variant] = {m: [] for m in runs}
             for k in range(args.repeats):
-                for m in RECIPES:
-                    results[variant][m].append(timed_rollout(runs[m], sampler, rows))
+                for m in runs:
+                    results[variant][m].append(timed_rollout(runs[m], sampler, rows, stages))
                     r = results[variant][m][-1]
+                    own = ""
+                    if "requests" in r:
+                        own = f", own {r['own_wall_ms']:.2f} ms (CPU {r['own_cpu_ms']:.2f}), wait "
+                        own += f"{r['batch_wait_ms']:.2f} ms"
                     print(
                         f"[bench] {variant} {m} {k + 1}/{args.repeats}: {r['rollout_s']:.3f} s, generate "
                         f"{r['generate_s']:.3f} s, {r['turns']} turns in {r['calls']} calls, {r['per_call_ms']:.2f} ms "
-                        f"a call {r['agent'] or ''}",
+                        f"a call{own} {r['agent'] or ''}",
                         flush=True,
                     )
     finally:
@@ -347,6 +591,8 @@ def overhead(args):
     )
     print("of each env per variant, alternating (medians of rollout s, generate s, turns, calls):\n")
     print(overhead_table(results))
+    print("\nWhere an endpoint request's time goes (ms per request, medians over the rollouts):\n")
+    print(stage_table(results))
     print(f"\nPer-rollout figures: {os.path.join(out, 'results.json')}")
 
 

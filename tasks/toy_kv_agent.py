@@ -30,15 +30,19 @@ def run_tool(payload: str) -> str:
         return f"Error: {type(e).__name__}: {e}"
 
 
+# One client a process: building one loads the CA certificates (~26 ms of CPU), which an episode's call would pay again
+CLIENT = openai.OpenAI(api_key="unused", max_retries=0)
+
+
 def agent(row: dict, base_url: str) -> str:
     """Ask, call `lookup` while the model asks for it, return the last reply."""
     messages = [{"role": "user", "content": row["prompt"]}]
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:  # closed: its connection too
-        while True:
-            choice = client.chat.completions.create(model="policy", messages=messages).choices[0]
-            text = choice.message.content
-            messages.append({"role": "assistant", "content": text})
-            call = TOOL.search(text)
-            if choice.finish_reason == "length" or call is None:
-                return text
-            messages.append({"role": "tool", "content": run_tool(call.group(1))})
+    client = CLIENT.with_options(base_url=base_url)  # this episode's URL over the process's connections
+    while True:
+        choice = client.chat.completions.create(model="policy", messages=messages).choices[0]
+        text = choice.message.content
+        messages.append({"role": "assistant", "content": text})
+        call = TOOL.search(text)
+        if choice.finish_reason == "length" or call is None:
+            return text
+        messages.append({"role": "tool", "content": run_tool(call.group(1))})

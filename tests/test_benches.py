@@ -35,7 +35,7 @@ SMOKE = {
     "agent_harness.py": [
         (
             ["--part overhead --repeats 1 --out {tmp} --set", TOY, SMALL],
-            rf"^\| scripted \| harness - built-in \(per repeat\) \|.* \| {NUM} \[{NUM}, {NUM}\] \|$",
+            rf"^\| \*\*the endpoint's own cost\*\* \(wall: to the reply sent\) \| \*\*{NUM} / {NUM}\*\* \| \*\*{NUM} / {NUM}\*\* \|$",
         ),
         (
             ["--part learning --seeds 0 --steps 1 --jobs 1 --out {tmp} --set", TOY, SMALL],
