@@ -1615,8 +1615,10 @@ class Run:
 
     def check_probe(self, url: str, version: int, srv, own) -> list[float]:
         """One server's sync check (rank 0). Its logprobs must be within sync_check_max_diff of the trainer's (0: no
-        bound), and must have moved as the trainer's did: the least-squares slope of the server's per-token change on
-        the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. bf16
+        bound), and must have moved as far as the trainer's did: the least-squares slope of the server's per-token change
+        on the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. Only
+        a slope below 1 stops the run: a reload fault loses change, and bf16's rounding of a small change overshoots
+        (1.74 after 14 steps at lr 2e-6 on SmolLM2-135M, bench/real_model.py). bf16
         arithmetic and read noise (a GPU vLLM is not batch-invariant) scatter it, so a span is judged once the slope's
         standard error is a fifth of its tolerance; until then changes add up. Since the last judged sync (a skipped
         reload) the tolerance is 0.5, and a server that repeats its logprobs to the bit is judged at once; since the
@@ -1647,11 +1649,11 @@ class Run:
         for since, slope, se, tolerance in ((last[0], recent, recent_se, 0.5), (first[0], whole, whole_se, 0.1)):
             judged = se <= tolerance / 5
             out += [slope, se, float(judged)]
-            if judged and abs(slope - 1) > tolerance:
+            if judged and slope < 1 - tolerance:
                 raise SyncCheckError(
                     f"weight sync check failed after step {version} on {url}: since step {since} the server's "
                     f"logprobs on a {len(self.probe_ids)}-token probe moved {slope:.2f} times as far as the trainer's "
-                    f"(standard error {se:.2f}; a reload that took moves them 1 +- {tolerance} times as far). Likely: "
+                    f"(standard error {se:.2f}; a reload that took moves them at least {1 - tolerance} times as far). Likely: "
                     "a reload that did not take, or a partial one (some tensors kept their old values; see the "
                     "server's log), or the server serves something else."
                 )

@@ -57,6 +57,9 @@ TIMES = ("time/rollout", "time/train", "time/weight_sync", "time/step")
 
 def train(name: str, seed: int, a) -> str:
     out = os.path.join(a.out, f"{name}-seed{seed}")
+    if os.path.isfile(os.path.join(out, "eval", f"step-{a.steps}-greedy.jsonl")):
+        print(f"[bench] {name} seed {seed}: {out} has finished already, reused (delete it to train it again)")
+        return out
     env = {"MTGRPO_LAYOUT": "server", "MTGRPO_VLLM_LOG": f"{out}.vllm.log"}
     server = []
     if a.server_url:
