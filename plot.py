@@ -59,7 +59,7 @@ def plot(run_dirs: list[str], out: str) -> str:
     runs = {name: read_metrics(d) for name, d in zip(names, run_dirs)}
     evals = sorted({k for rows in runs.values() for r in rows for k in r if k.startswith("eval/")})
     last = max((r["step"] for rows in runs.values() for r in rows), default=1)  # every panel spans the same steps
-    panels = PANELS + [(k, f"eval: {k.removeprefix('eval/')} (greedy)") for k in evals]
+    panels = PANELS + [(k, f"eval: {k.removeprefix('eval/')}") for k in evals]  # at eval_temperature; greedy_*: greedy
     cols = 3
     n_rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 3.2 * n_rows), squeeze=False)

@@ -81,7 +81,7 @@ def test_the_eval_panels_start_at_step_0_and_the_summary_compares_it_with_the_la
     assert "eval/exact_answer_reward 0.000 (step 0) -> 1.000 (step 4)" in out and "(step 2)" not in out, out
     assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG)
     panels = {ax.get_title(): ax for ax in figures[0].axes}
-    assert list(panels["eval: exact_answer_reward (greedy)"].lines[0].get_xdata()) == [0, 2, 4]
+    assert list(panels["eval: exact_answer_reward"].lines[0].get_xdata()) == [0, 2, 4]
     assert list(panels["outcome reward"].lines[0].get_xdata()) == [1, 2, 3, 4], "trained steps only"
 
 
@@ -101,7 +101,7 @@ def test_an_eval_rate_is_drawn_on_its_whole_range_and_another_metric_on_its_own(
         f.write(json.dumps({"step": 4, "eval/greedy_exact_answer_reward": top}) + "\n")
     plot([str(tmp_path / "run")], str(tmp_path / "curves.png"))
     panels = {ax.get_title(): ax for ax in figures[0].axes}
-    greedy = panels["eval: greedy_exact_answer_reward (greedy)"].get_ylim()
+    greedy = panels["eval: greedy_exact_answer_reward"].get_ylim()
     assert (greedy == (0, 1)) == (top <= 1), greedy
-    assert panels["eval: exact_answer_reward (greedy)"].get_ylim() == (0, 1)
+    assert panels["eval: exact_answer_reward"].get_ylim() == (0, 1)
     assert panels["turn reward"].get_ylim() != (0, 1), "training panels keep their own scale"
