@@ -1617,7 +1617,7 @@ class Run:
         """One server's sync check (rank 0). Its logprobs must be within sync_check_max_diff of the trainer's (0: no
         bound), and must have moved as far as the trainer's did: the least-squares slope of the server's per-token change
         on the trainer's is 1 when the reload took, 0 when it did nothing, between when it left some tensors old. Only
-        a slope below 1 stops the run: a reload fault loses change, and bf16's rounding of a small change overshoots
+        a slope below its band stops the run: a reload fault loses change, and bf16's rounding of a small change overshoots
         (1.74 after 14 steps at lr 2e-6 on SmolLM2-135M, bench/real_model.py). bf16
         arithmetic and read noise (a GPU vLLM is not batch-invariant) scatter it, so a span is judged once the slope's
         standard error is a fifth of its tolerance; until then changes add up. Since the last judged sync (a skipped

@@ -268,8 +268,9 @@ class Timed:
         try:
             return self.sampler.generate(prompts, max_tokens, **kw)
         finally:
-            self.seconds += time.perf_counter() - t0
-            self.prompt_seconds += (time.perf_counter() - t0) * len(prompts)
+            took = time.perf_counter() - t0
+            self.seconds += took
+            self.prompt_seconds += took * len(prompts)
             self.turns += len(prompts)
             self.calls += 1
 

@@ -1,4 +1,5 @@
-"""Paired comparisons over seeds for the learning benches (bench/turn_credit.py, bench/paper_effect.py).
+"""Paired comparisons over seeds for the learning benches (bench/turn_credit.py, bench/paper_effect.py; its bootstrap
+also serves bench/real_model.py, over prompts).
 
 - `wilcoxon_greater(d)`: the one-sided exact Wilcoxon signed-rank test that the paired differences d are above 0.
   Zero differences are dropped (Wilcoxon's own convention), tied magnitudes get their mean rank, and the p-value is

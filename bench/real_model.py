@@ -40,13 +40,13 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 from async_overlap import started  # noqa: E402
+from paired_stats import bootstrap_ci  # noqa: E402
 from tasks.part_codes import PHRASINGS, eval_rows  # noqa: E402
 
 RECIPE = "hf_recipes/HuggingFaceTB/SmolLM2-135M-Instruct--part-codes-cpu.yaml"
@@ -92,17 +92,6 @@ def mcnemar_greater(before: list[float], after: list[float]) -> float:
     return sum(math.comb(changed, k) for k in range(gained, changed + 1)) / 2**changed
 
 
-def bootstrap_gain(before: list[float], after: list[float], resamples: int = 10_000) -> tuple[float, float]:
-    rng = random.Random(0)
-    n = len(before)
-    means = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        means.append(sum(after[i] - before[i] for i in idx) / n)
-    means.sort()
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-
-
 def report(runs: dict[str, str], last: int, rows: list[dict]):
     print("\n| run | step | greedy exact | sampled exact | greedy lookup hit | greedy copied the result | eval s |")
     print("|---|---|---|---|---|---|---|")
@@ -115,11 +104,12 @@ def report(runs: dict[str, str], last: int, rows: list[dict]):
     print("| run | " + " | ".join(f"`{p.format(part='P-1234', n='1234')}`" for p in PHRASINGS[1:]) + " |")
     print("|---|" + "---|" * (len(PHRASINGS) - 1))
     for name, out in runs.items():
+        greedy = [records(out, step, True) for step in (0, last)]
         cells = []
         for phrasing in range(1, len(PHRASINGS)):
             means = []
-            for step in (0, last):
-                hits = [r["rewards"][EXACT] for r in records(out, step, True) if rows[r["row"]]["phrasing"] == phrasing]
+            for recs in greedy:
+                hits = [r["rewards"][EXACT] for r in recs if rows[r["row"]]["phrasing"] == phrasing]
                 means.append(f"{sum(hits) / max(len(hits), 1):.2f}")
             cells.append(f"{means[0]} -> {means[1]} ({len(hits)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
@@ -137,7 +127,7 @@ def report(runs: dict[str, str], last: int, rows: list[dict]):
         before = [r["rewards"][EXACT] for r in records(out, 0, True)]
         after = [r["rewards"][EXACT] for r in records(out, last, True)]
         gain = (sum(after) - sum(before)) / len(before)
-        lo, hi = bootstrap_gain(before, after)
+        lo, hi = bootstrap_ci([a - b for b, a in zip(before, after)])  # resampling prompts
         p = mcnemar_greater(before, after)
         ok = gain >= 0.10 and p < 0.05
         learned.append(ok)
