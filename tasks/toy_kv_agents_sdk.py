@@ -11,6 +11,7 @@ import asyncio
 import os
 import sys
 
+import httpx
 import openai
 from agents import Agent, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
@@ -36,8 +37,14 @@ AGENT = Agent(
 )
 
 
+# One TLS context a process: building one loads the CA certificates (~26 ms of CPU, even for an http:// URL). The client
+# belongs to its episode's event loop, so each episode builds one, over an HTTP client that reuses this context.
+TLS = httpx.create_ssl_context()
+
+
 async def run(row: dict, base_url: str) -> str:
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+    http = openai.DefaultAsyncHttpxClient(verify=TLS)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http) as client:
         config = RunConfig(model="policy", model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
         result = await Runner.run(AGENT, row["prompt"], run_config=config)
     return result.final_output
