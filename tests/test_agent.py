@@ -4,6 +4,7 @@ ones after exactly the prompt the sampler saw (I1), native tool calls (several i
 come back as the same messages (so the sample extends), a harness that edits its history forks, the request fields
 the trainer refuses or overrides, and every fault as a counted outcome (I6), with nothing left listening."""
 
+import copy
 import json
 import re
 import os
@@ -21,6 +22,7 @@ import mt_grpo_trainer as M
 from conftest import recipe_cfg
 from test_env import char_ids
 from test_templates import qwen3 as qwen3  # noqa: F401  (a fixture)
+from tasks import fixtures
 from tools.kv_lookup import TABLE
 
 TOY_AGENT = "tasks/toy_kv_agent.py:agent"
@@ -621,6 +623,50 @@ def test_a_harness_that_calls_from_several_threads_gets_one_turn_at_a_time(tok, 
     assert ep.forks == 1, "the second request's history lacks the first's reply: it forks"
     assert trained_turns(ep) == sampler.turns
     assert env.stats().get("agent/concurrent_requests", 0) == 1
+
+
+def test_a_request_whose_fields_are_of_other_types_is_a_400_and_the_run_goes_on(qwen3, tmp_path):
+    """Fields of another type than served, and messages the chat template refuses, are the harness's errors: each a
+    400 (naming the field where one is named), nothing sampled, and the episode and the run go on."""
+    errors = {}
+    user = [{"role": "user", "content": "What is the value of golf?"}]
+    asks = {
+        "max_tokens": dict(messages=user, max_tokens="abc"),
+        "stream_options": dict(messages=user, stream=True, stream_options="yes"),
+        "text part": dict(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        "tool_calls": dict(messages=[*user, {"role": "assistant", "content": "", "tool_calls": "x"}]),
+        "template": dict(messages=[*user, *user]),  # Gemma's template: roles must alternate
+    }
+
+    def agent(row, base_url):
+        for name, ask in asks.items():
+            try:
+                client(base_url).chat.completions.create(model="policy", **ask)
+            except openai.BadRequestError as e:
+                errors[name] = (e.param, e.message)
+        for name, ask in {"max_output_tokens": dict(max_output_tokens="abc"), "text": dict(text="x")}.items():
+            try:
+                client(base_url).responses.create(model="policy", input="What is the value of golf?", **ask)
+            except openai.BadRequestError as e:
+                errors[name] = (e.param, e.message)
+        r = client(base_url).chat.completions.create(model="policy", messages=user)
+        return r.choices[0].message.content
+
+    gemma = copy.deepcopy(qwen3)
+    with open(fixtures.path("gemma_chat_template.jinja")) as f:
+        gemma.chat_template = f.read()
+    env = agent_env(gemma, tmp_path, agent)
+    sampler = ByPrompt(gemma, lambda text: "<answer>7</answer>")
+    [ep] = env.rollout(rows(["golf"]), sampler)
+    assert sorted(errors) == sorted([*asks, "max_output_tokens", "text"])
+    assert errors["max_tokens"][0] == "max_tokens" and "'abc'" in errors["max_tokens"][1]
+    assert errors["max_output_tokens"][0] == "max_output_tokens"
+    assert errors["template"][0] == "messages" and "must alternate" in errors["template"][1]
+    assert errors["tool_calls"][0] == "messages" and "a tool call must be" in errors["tool_calls"][1]
+    for name in ("stream_options", "text part", "text"):
+        assert "another type than served" in errors[name][1], errors[name]
+    assert ep.end_reason == "answer" and len(ep.turns) == 1, "the refused requests sampled nothing, the last one did"
+    assert ep.row["agent_result"] == "<answer>7</answer>"
 
 
 def test_a_sampler_failure_stops_the_run_and_a_full_context_ends_the_episode(tok, tmp_path):

@@ -77,7 +77,16 @@ SMOKE = {
                 "num_key_value_heads=1 head_dim=32",
             ],
             r'^\[bench\] \{"case": "logprobs", "chunked": .*"max_abs_diff": ',
-        )
+        ),
+        (
+            [
+                "--tokenizer {toy} --family qwen3_moe --layers 1 --seq 64 --samples 4 --mb-tokens 256 --steps 1",
+                "--cases full exact --profile --exact-families mistral --config vocab_size=512 hidden_size=64",
+                "intermediate_size=128 num_attention_heads=2 num_key_value_heads=1 head_dim=32",
+                "moe_intermediate_size=32 num_experts=4 num_experts_per_tok=2",
+            ],
+            r'^\[bench\] \{"case": "exact", "families": \{"mistral": \{"attention": "mtgrpo_trie", .*"exact": true\}\}\}',
+        ),
     ],
     "logprob_memory.py": [(["--lengths 32 --batch 1 --layers 1 --precision fp32"], r"^\| fp32 \| 32 \| 32 \| \d+ \|")],
     "long_episodes.py": [(["--turns 2"], r"^\| 2 \| fork \(0\) \| \d+ \| \d+ \| \d+ \| \d+ \|$")],

@@ -119,10 +119,12 @@ def rows_for(model, samples) -> tuple[list[dict], bool]:
 
 
 def packed(model, samples, autocast=False):
-    """Each sample's token logprobs [T], from one micro-batch of all of them, in the rows its family trains on."""
+    """Each sample's token logprobs [T], from one micro-batch of all of them, in the rows its family trains on (on the
+    model's device)."""
+    device = model.device
     rows, packs = rows_for(model, samples)
-    mb = M.collate(rows, samples, 0, CPU, packs)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    mb = M.collate(rows, samples, 0, device, packs)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         lp = M.packed_logprobs(model, mb, 0.7)
     order = [i for row in rows for i, _, _ in row["members"]]
     return [lp[order.index(i), : len(s.input_ids)] for i, s in enumerate(samples)]
@@ -130,12 +132,13 @@ def packed(model, samples, autocast=False):
 
 def alone(model, samples, autocast=False):
     """Each sample's token logprobs [T], from a forward of that sample alone, unpadded (trained tokens only)."""
+    device = model.device
     out = []
     for s in samples:
-        ids = torch.tensor([s.input_ids])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ids = torch.tensor([s.input_ids], device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             lp = M.token_logprobs(model, ids, torch.ones_like(ids), 0.7)[0]
-        out.append(lp * (torch.tensor(s.weights) != 0))
+        out.append(lp * (torch.tensor(s.weights, device=device) != 0))
     return out
 
 
@@ -146,7 +149,7 @@ def assert_exact(model, samples, autocast=False):
     for fn in (packed, alone):
         model.zero_grad()
         lps = fn(model, samples, autocast)
-        sum(lp @ torch.tensor(s.weights) for lp, s in zip(lps, samples)).backward()
+        sum(lp @ torch.tensor(s.weights, device=model.device) for lp, s in zip(lps, samples)).backward()
         results.append((lps, torch.cat([p.grad.flatten() for p in model.parameters()])))
     (got, got_grad), (want, want_grad) = results
     for lp, ref in zip(got, want):
