@@ -1469,7 +1469,7 @@ def main(argv=None):
         train(cfg, eval_only)
         if "RANK" in os.environ:  # under torchrun: skip C++ teardown, where gloo's threads can abort a finished rank
             exit_now(0)
-    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError, CheckpointError) as e:
+    except (ConfigError, TokenizationMismatch, SamplerError, SyncCheckError, CheckpointError, HarnessFailed) as e:
         where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ else ""
         print(f"mt-grpo: error{where}: {e}", file=sys.stderr)  # exit_now flushes
         exit_now(1)
@@ -4658,6 +4658,11 @@ class AgentEnv(MultiTurnToolEnv):
             self.count(ep.end_reason + "s")
         if faulted and not evaluating:
             first = faulted[0]
+            if len(faulted) == len(eps):
+                raise HarnessFailed(
+                    f"all {len(eps)} agent episodes of this rollout failed, so there is nothing to train on; the first "
+                    f"({first.end_reason}): {first.row.get('agent_result')}"
+                )
             print(
                 f"[mt-grpo] {len(faulted)} of {len(eps)} agent episodes failed and are left out of training; "
                 f"the first ({first.end_reason}): {first.row.get('agent_result')}",
@@ -5230,6 +5235,9 @@ def agent_worker(spec: str):
         threading.Thread(target=run, args=(json.loads(line),), daemon=True).start()
 
 
+AGENT_WORKER = inspect.getsource(agent_worker)  # read now: a worker started later runs this, if the file changed since
+
+
 class HarnessWorkers:
     """agent_processes worker processes (`agent_worker`), started as episodes need them: each episode goes to the
     worker with the fewest, and runs in a thread of it. A worker that ends (killed with a hung harness's episode, or
@@ -5238,7 +5246,7 @@ class HarnessWorkers:
     def __init__(self, spec: str, n: int):
         full, name = plugin_file(spec, "agent")
         target = f"{os.path.abspath(full)}:{name}"
-        self.argv = [sys.executable, "-c", f"{inspect.getsource(agent_worker)}\nagent_worker({target!r})"]
+        self.argv = [sys.executable, "-c", f"{AGENT_WORKER}\nagent_worker({target!r})"]
         self.n = n
         self.workers = []  # the living: each a HarnessProcess with its episodes in flight, by key (`pending`)
         self.keys = itertools.count()

@@ -1045,6 +1045,32 @@ def test_harness_functions_in_worker_processes_answer_as_in_threads_and_a_hung_o
         __import__("conftest").until(lambda: not alive(w.proc.pid), "the workers to end with the environment")
 
 
+def test_a_worker_process_runs_the_code_the_trainer_imported_though_its_file_changed_since(monkeypatch):
+    """A run whose trainer file is edited under it (this file is made to be hacked on) starts its harness workers
+    with the worker code it imported, not with lines of the new file at the old line numbers."""
+    import linecache
+
+    with open(M.__file__) as f:
+        edited = ["# a line added above\n"] * 5 + f.readlines()
+    monkeypatch.setitem(linecache.cache, M.__file__, (0, None, edited, M.__file__))  # mtime None: kept as it is
+    workers = M.HarnessWorkers("tests/cmd_agent.py:agent", 1)
+    assert workers.argv[2].startswith("def agent_worker(spec: str):")
+    assert workers.argv[2].rstrip().endswith(f"agent_worker({os.path.abspath('tests/cmd_agent.py') + ':agent'!r})")
+
+
+def test_a_rollout_whose_every_agent_episode_failed_stops_the_run_in_one_line(tok, tmp_path):
+    def agent(row, base_url):
+        raise RuntimeError("the harness's own bug")
+
+    env = agent_env(tok, tmp_path, agent)
+    with pytest.raises(
+        M.HarnessFailed, match=r"all 2 agent episodes .* \(agent_error\): RuntimeError: the harness's own"
+    ):
+        env.rollout(rows(["golf", "kilo"]), ByPrompt(tok, toy_reply))
+    evaluated = env.rollout(rows(["golf", "kilo"]), ByPrompt(tok, toy_reply), eval_temperature=0.0)
+    assert [ep.end_reason for ep in evaluated] == ["agent_error", "agent_error"], "an eval keeps them"
+
+
 def test_a_command_harness_trains_a_step(tmp_path, tiny_model_dir, monkeypatch):
     """The toy recipe with agent_command (tests/cmd_agent.py, the plain openai client on OPENAI_BASE_URL) in place of
     the function: a step in-process, against a scripted sampler that answers right in one episode of each two."""
