@@ -141,6 +141,29 @@ def test_the_toy_harness_trains_exactly_the_sampled_tokens_and_leaves_nothing_li
     assert all(refused(u) for u in urls), "the endpoint closes with its rollout"
 
 
+def test_256_harnesses_that_call_at_the_same_moment_are_all_answered(tok, tmp_path):
+    """The endpoint holds a rollout's worth of harnesses calling at once (its listen queue, its handler threads): 256
+    toy harnesses released together by a barrier, so their client opens 256 connections at once; none refused, none
+    reset, no request lost."""
+    from tasks.toy_kv_agent import agent as toy_agent
+
+    n = 256
+    barrier = threading.Barrier(n)
+
+    def agent(row, base_url):
+        barrier.wait(timeout=60)
+        return toy_agent(row, base_url)
+
+    env = agent_env(tok, tmp_path, agent)
+    sampler = ByPrompt(tok, toy_reply, end=tok.convert_tokens_to_ids("<|im_end|>"))
+    keys = [sorted(TABLE)[i % len(TABLE)] for i in range(n)]
+    eps = env.rollout(rows(keys), sampler)
+    assert env.stats() == {}, "no harness failed"
+    assert [ep.end_reason for ep in eps] == ["answer"] * n and sum(len(ep.turns) for ep in eps) == 2 * n
+    for ep, k in zip(eps, keys):
+        assert ep.row["agent_result"] == f"<reasoning>found</reasoning>\n<answer>{TABLE[k]}</answer>"
+
+
 def test_native_tool_calls_several_in_one_turn_go_out_as_tool_calls_and_come_back_as_the_same_turn(qwen3, tmp_path):
     schema = {
         "type": "function",
