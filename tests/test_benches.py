@@ -151,6 +151,7 @@ SMOKE = {
             r"^MT-GRPO > GRPO-OR: \d+ of 1 seeds, p = ",
         )
     ],
+    "vllm_families.py": [(["--families mistral --out {tmp}"], r"^served: \d of 1 families \(")],
     "weight_sync.py": [(["--sizes 25 --repeats 1 --dir {tmp}"], rf"^\| \d+M \| {NUM} GB \| {NUM} \|")],
 }
 
