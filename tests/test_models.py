@@ -218,14 +218,18 @@ def test_an_moe_that_asks_for_its_routers_aux_loss_trains_padded(tok):
     assert assert_exact(tiny_model(config), random_group(len(tok), [3, 70, 7, 40], shared=20)) == 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "phi3", "glm4"])
+@pytest.mark.parametrize("model_type", list(PACKED))
 def test_lora_adapts_every_linear_layer_but_the_head_and_an_moes_attention_not_its_router_or_experts(
     model_type, tok, tmp_path
 ):
-    """all-linear: adapters on the linear layers (an MoE's router and fused experts are none), and they train."""
+    """all-linear: adapters on the linear layers (an MoE's router and fused experts are none), they train, and the
+    reference (the policy with its adapters off) is the base model still."""
     cfg = M.Config(lora_rank=4, lora_alpha=8, learning_rate=1.0, max_grad_norm=0, beta=0)
     base = tiny_model(tiny_config(model_type, len(tok), **PACKED[model_type]))
     linear = {n for n, m in base.named_modules() if type(m) is torch.nn.Linear and not n.endswith("lm_head")}
+    probe = random_group(len(tok), [40], shared=0)
+    with torch.no_grad():
+        base_logprobs = alone(base, probe)[0]
     model = M.add_lora(base, cfg, str(tmp_path))
     adapted = {
         n.split(".lora_B")[0].removeprefix("base_model.model.") for n, _ in model.named_parameters() if ".lora_B." in n
@@ -243,3 +247,7 @@ def test_lora_adapts_every_linear_layer_but_the_head_and_an_moes_attention_not_i
         if ".lora_B." in n and not p.equal(before[n])
     }
     assert moved == adapted, "every adapter trained"
+    with torch.no_grad(), model.disable_adapter():
+        torch.testing.assert_close(alone(model, probe)[0], base_logprobs, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not torch.equal(alone(model, probe)[0], base_logprobs), "the policy moved"
