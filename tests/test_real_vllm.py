@@ -341,13 +341,14 @@ def at_pause(client, to_come) -> list:
 
 
 def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, toy, tmp_path):
-    """The pause lands inside the generation by construction: 128 sequences (4 requests of n = 32, sent at once: the
-    server's whole batch) each run to the end of the server's context (ignore_eos), hundreds of decoding steps, and the
-    pause is sent once the server generates them."""
+    """The pause lands inside the generation by construction: 512 sequences (16 requests of n = 32, sent at once: four
+    times what the server's batch holds, the rest waiting) each run to the end of the server's context (ignore_eos),
+    over a thousand decoding steps (about 16 s on two quiet cores: a pause sent late by seconds under load still lands
+    inside), and the pause is sent once the server generates them."""
     model, tok = toy
     client = client_for(real_vllm, tmp_path, tok)
     env = M.MultiTurnToolEnv(tok, [M.load_object("tools/kv_lookup.py:lookup")], client.cfg)
-    prompts = [p + [i + 20] for i, p in enumerate(toy_prompts(env, 4, seed=7)) for _ in range(32)]
+    prompts = [p + [i + 20] for i, p in enumerate(toy_prompts(env, 16, seed=7)) for _ in range(32)]
     budgets = [client.max_model_len - len(p) for p in prompts]  # what generate clamps max_tokens to
     endless(client)
     calls, out = recording(client), {}
@@ -357,6 +358,7 @@ def test_a_pause_mid_generation_aborts_and_the_request_is_sent_again(real_vllm, 
     with client.weight_update(list(client.servers), 10):  # pause (abort) ... resume, as a sync does
         left = to_come()  # read while paused: nothing generates
     worker.join(timeout=300)
+    print(f"{left} of {sum(budgets)} tokens to come at the pause")
     assert left > 0, "every token was generated before the pause: it came after the sequences, not inside them"
     aborted = [c for c in choices(calls) if c["finish_reason"] == "abort"]
     assert aborted, f"the server was paused with {left} tokens to come, and no request came back aborted"
