@@ -4544,6 +4544,8 @@ REFUSED = {
 OVERRIDDEN = ("temperature", "top_p")  # the trainer's, whatever a request says; each difference counted
 # What each episode's base_url, /episodes/<key>/v1, serves:
 ROUTES = (("POST", "chat/completions"), ("POST", "responses"), ("GET", "models"))
+# The fields of an episode that a request sets before its prompt renders:
+REQUEST_SETS = ("messages", "rewritten", "n_prompt_messages", "sampled_texts", "done", "end_reason")
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 410: "gone", 500: "server_error"}
 
 
@@ -4722,6 +4724,7 @@ class AgentEnv(MultiTurnToolEnv):
         replayed = self.replay_or_branch(state, messages, endpoint)
         if replayed:
             return replayed
+        before = {k: getattr(ep, k) for k in REQUEST_SETS}  # given back if the template refuses the request
         edited = ep.messages and messages[: len(ep.messages)] != ep.messages
         if edited:  # the harness changed what it was sent: check the samples so far against it, as they were sampled
             view = dataclasses.replace(ep, samples=ep.samples[state.checked :])
@@ -4744,6 +4747,7 @@ class AgentEnv(MultiTurnToolEnv):
             prompt = self.next_prompt(ep)
         except TemplateError as e:  # e.g. roles that must alternate: the harness's messages, not the trainer
             ep.undo(mark)
+            ep.__dict__.update(before)
             raise AgentError(400, f"messages: the model's chat template refuses them: {e}", "messages") from None
         budget = min(budget, endpoint.room - len(prompt))
         if budget < 1:

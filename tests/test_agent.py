@@ -689,6 +689,8 @@ def test_a_request_whose_fields_are_of_other_types_is_a_400_and_the_run_goes_on(
     for name in ("stream_options", "text part", "text"):
         assert "another type than served" in errors[name][1], errors[name]
     assert ep.end_reason == "answer" and len(ep.turns) == 1, "the refused requests sampled nothing, the last one did"
+    assert env.stats() == {}, "a refused request left the episode as it was: the next one is no edit of its history"
+    assert len(ep.samples) == 1 and ep.messages[0] == {"role": "user", "content": "What is the value of golf?"}
     assert ep.row["agent_result"] == "<answer>7</answer>"
 
 
