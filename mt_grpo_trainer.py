@@ -4660,14 +4660,13 @@ class AgentEnv(MultiTurnToolEnv):
             self.count(ep.end_reason + "s")
         if faulted and not evaluating:
             first = faulted[0]
+            the_first = f"the first ({first.end_reason}): {first.row.get('agent_result')}"
             if len(faulted) == len(eps):
                 raise HarnessFailed(
-                    f"all {len(eps)} agent episodes of this rollout failed, so there is nothing to train on; the first "
-                    f"({first.end_reason}): {first.row.get('agent_result')}"
+                    f"all {len(eps)} agent episodes of this rollout failed, so there is nothing to train on; {the_first}"
                 )
             print(
-                f"[mt-grpo] {len(faulted)} of {len(eps)} agent episodes failed and are left out of training; "
-                f"the first ({first.end_reason}): {first.row.get('agent_result')}",
+                f"[mt-grpo] {len(faulted)} of {len(eps)} agent episodes failed and are left out of training; {the_first}",
                 flush=True,
             )
             eps = [ep for ep in eps if ep.end_reason not in faults]

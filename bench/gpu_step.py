@@ -224,7 +224,7 @@ def exact_case(args) -> dict:
     sliding window (tests/test_models.py's configs): the largest logprob difference and the largest gradient
     difference over the gradient's scale; `exact` where they are within the CPU tests' tolerances (1e-5)."""
     from test_models import WINDOWED, tiny_config
-    from test_packing import alone, packed, random_group
+    from test_packing import packed_and_alone, random_group
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,15 +234,9 @@ def exact_case(args) -> dict:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=M.packed_attention(device)).to(device)
         samples = random_group(97, [3, 250, 7, 120, 40], shared=40)
-        grads, lps = [], []
-        for fn in (packed, alone):
-            model.zero_grad()
-            lp = fn(model, samples)
-            sum(x @ torch.tensor(s.weights, device=device) for x, s in zip(lp, samples)).backward()
-            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-            lps.append(lp)
-        lp_diff = max(float((a - b).abs().max()) for a, b in zip(*lps))
-        grad_diff = float((grads[0] - grads[1]).abs().max() / grads[1].abs().max())
+        (got, got_grad), (want, want_grad) = packed_and_alone(model, samples)
+        lp_diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
+        grad_diff = float((got_grad - want_grad).abs().max() / want_grad.abs().max())
         attention = model.config._attn_implementation
         exact = lp_diff <= 1e-5 and grad_diff <= 1e-4
         out[family] = dict(

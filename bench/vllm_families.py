@@ -106,23 +106,22 @@ def from_log(log: str, pattern: str) -> str:
     return found[0] if found else "?"
 
 
-def scored(model, client, ids, url) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sync check's two sides on `ids`: the server's prompt logprobs and the trainer's own."""
-    srv = torch.tensor(client.probe_logprobs(ids)[url], dtype=torch.float64)
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        own = M.token_logprobs(model.eval(), x, torch.ones_like(x), 1.0)[0, 1:].double()
-    return srv, own
+def server_logprobs(client, ids, url) -> torch.Tensor:
+    """The sync check's server side on `ids`: the server's prompt logprobs."""
+    return torch.tensor(client.probe_logprobs(ids)[url], dtype=torch.float64)
 
 
 def agreement(model, client, ids, url) -> dict:
     """Server and trainer compared at load, then after one weight sync of the very weights the server loaded."""
-    srv, own = scored(model, client, ids, url)
+    x = torch.tensor([ids])
+    with torch.no_grad():  # the sync check's trainer side
+        own = M.token_logprobs(model.eval(), x, torch.ones_like(x), 1.0)[0, 1:].double()
+    srv = server_logprobs(client, ids, url)
     diff = (srv - own).abs()
     out = {"max": float(diff.max()), "mean": float(diff.mean()), "spread": float(own.std())}
     state, _ = M.full_state(model)  # what Run.sync sends
     client.sync_weights(model, state, 1)
-    after, _ = scored(model, client, ids, url)
+    after = server_logprobs(client, ids, url)
     out["after_mean"] = float((after - own).abs().mean())
     out["moved"] = float((after - srv).abs().max())  # 0: the CPU build repeats its logprobs to the bit
     return out
@@ -191,10 +190,15 @@ def config_value(kv: str) -> tuple:
     return key, yaml.safe_load(value)
 
 
+def agrees_within(r: dict, bound: float) -> bool:
+    """A served family's mean difference from the trainer, at load and after a sync, within the sync check's bound."""
+    return max(r["mean"], r["after_mean"]) <= bound
+
+
 def row(r: dict, bound: float) -> str:
     if not r["served"]:
         return f"| `{r['family']}` | {r['architecture']} | no | - | - | - | - | - | - | - | - | {r['why'].replace('|', '/')} |"
-    agrees = "yes" if max(r["mean"], r["after_mean"]) <= bound else "no"
+    agrees = "yes" if agrees_within(r, bound) else "no"
     figures = [f"{r['max']:.4f}", f"{r['mean']:.4f}", f"{r['after_mean']:.4f}", f"{r['moved']:.4f}"]
     figures += [f"{r['spread']:.3f}", agrees, f"{r['start']:.0f}"]
     return f"| `{r['family']}` | {r['architecture']} | yes | {r['runs_as']} | {' | '.join(figures)} | |"
@@ -224,7 +228,7 @@ def main():
         results.append(family(a, name, tok, ids))
         print(row(results[-1], bound), flush=True)
     served = [r["family"] for r in results if r["served"]]
-    agree = [r["family"] for r in results if r["served"] and max(r["mean"], r["after_mean"]) <= bound]
+    agree = [r["family"] for r in results if r["served"] and agrees_within(r, bound)]
     refused = [r["family"] for r in results if not r["served"]]
     dtypes = sorted({r["dtype"] for r in results if r["served"]}) or ["-"]
     print(

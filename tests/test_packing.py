@@ -142,16 +142,22 @@ def alone(model, samples, autocast=False):
     return out
 
 
-def assert_exact(model, samples, autocast=False):
-    """Packed logprobs and their gradient against each sample alone; returns the tokens the trie saved."""
-    tol = {"rtol": 0, "atol": 0.05} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+def packed_and_alone(model, samples, autocast=False) -> list[tuple]:
+    """(each sample's logprobs, the gradient of their weighted sum), from the packed rows, then from each sample
+    alone."""
     results = []
     for fn in (packed, alone):
         model.zero_grad()
         lps = fn(model, samples, autocast)
         sum(lp @ torch.tensor(s.weights, device=model.device) for lp, s in zip(lps, samples)).backward()
         results.append((lps, torch.cat([p.grad.flatten() for p in model.parameters()])))
-    (got, got_grad), (want, want_grad) = results
+    return results
+
+
+def assert_exact(model, samples, autocast=False):
+    """Packed logprobs and their gradient against each sample alone; returns the tokens the trie saved."""
+    tol = {"rtol": 0, "atol": 0.05} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    (got, got_grad), (want, want_grad) = packed_and_alone(model, samples, autocast)
     for lp, ref in zip(got, want):
         torch.testing.assert_close(lp, ref, **tol)
     assert want_grad.abs().max() > 0

@@ -41,7 +41,7 @@ FEATURE_TOKENS = {
     "worker pools start threads as calls come and let them go when idle: no threads pile up across runs in one process": 160,
     "the agent endpoint writes a reply's headers and body at once: no wait for the interpreter lock between them (issue 47)": 5,
     "a harness request whose fields are of other types, or that the chat template refuses, is its 400, not a stopped run (issue 47)": 183,
-    "harness workers run the code the trainer imported, and a rollout whose every agent episode failed stops in one line (issue 47)": 27,
+    "harness workers run the code the trainer imported, and a rollout whose every agent episode failed stops in one line (issue 47)": 28,
 }
 APPENDIX = next(i for i, line in enumerate(LINES) if line.startswith("# APPENDIX: plumbing"))
 
